@@ -1,0 +1,41 @@
+"""One error hierarchy for the whole agent."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class ForwarderError(Exception):
+    """Base class of every error the agent raises on purpose."""
+
+
+class ConfigError(ForwarderError):
+    """The configuration is invalid; carries every problem found, not just the first."""
+
+    def __init__(self, problems: Iterable[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+class DocumentError(ForwarderError):
+    """An IMDS Scheduled Events document could not be understood."""
+
+
+class ImdsError(ForwarderError):
+    """IMDS could not be reached or answered with an error status."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        retryable: bool = True,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retryable = retryable
+        self.retry_after = retry_after
+
+
+class StateError(ForwarderError):
+    """The persisted state could not be read or written."""
