@@ -1,0 +1,221 @@
+"""The ``sefwd`` command line."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from forwarder import __version__
+from forwarder.errors import ConfigError, ForwarderError
+
+log = logging.getLogger("forwarder")
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_CONFIG = 2
+EXIT_BAD_DOCUMENT = 3
+
+
+def _add_config_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", metavar="FILE", help="config file (default: $SEFWD_CONFIG, then /etc/sefwd/config.toml, then built-in defaults)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sefwd",
+        description="Forward Azure Scheduled Events (IMDS) as durable CloudEvents records.",
+    )
+    parser.add_argument("--version", action="version", version=f"sefwd {__version__}")
+    parser.add_argument("--log-level", default=None, help="debug, info, warning or error (default: from config, info)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("demo", help="run a built-in scenario on the embedded IMDS emulator, records to stdout")
+    _add_config_arg(p)
+    p.add_argument("--scenario", default="demo", help="built-in scenario name or scenario file (default: demo)")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--pretty", action="store_true", default=None, help="human-readable lines (default on a terminal)")
+    fmt.add_argument("--json", dest="pretty", action="store_false", help="one JSON record per line")
+    p.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds (default 120)")
+
+    p = sub.add_parser("run", help="run the agent (the service)")
+    _add_config_arg(p)
+    p.add_argument("--pretty", action="store_true", help="human-readable stdout sink output")
+
+    p = sub.add_parser("once", help="poll IMDS once and print the current events as records")
+    _add_config_arg(p)
+    p.add_argument("--pretty", action="store_true", help="human-readable lines")
+
+    from forwarder.emulator.cli import register as register_emulator
+
+    register_emulator(sub)
+
+    p = sub.add_parser("config", help="validate the config or print an annotated example")
+    csub = p.add_subparsers(dest="config_command", metavar="ACTION")
+    csub.required = True
+    c = csub.add_parser("check", help="validate; lists every problem")
+    _add_config_arg(c)
+    csub.add_parser("example", help="print an annotated example config")
+    return parser
+
+
+def _setup_logging(args: argparse.Namespace, config_level: str | None = None) -> None:
+    from forwarder.logutil import setup_logging
+
+    setup_logging(args.log_level or config_level or "info")
+
+
+def _install_signals(stop: threading.Event) -> None:
+    """First SIGTERM/SIGINT: stop gracefully. Second: exit at once (state on disk stays valid)."""
+
+    def handler(signum: int, frame: object) -> None:
+        if stop.is_set():
+            os._exit(128 + signum)
+        log.info("received %s, shutting down (send again to exit at once)", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from forwarder.config import load_config
+    from forwarder.service import Agent
+
+    config = load_config(args.config)
+    _setup_logging(args, config.agent.log_level)
+    stop = threading.Event()
+    _install_signals(stop)
+    return Agent(config, stop=stop, pretty=args.pretty).run()
+
+
+def cmd_once(args: argparse.Namespace) -> int:
+    from forwarder.config import load_config
+    from forwarder.differ import diff
+    from forwarder.document import parse_document
+    from forwarder.errors import DocumentError, ImdsError
+    from forwarder.imds import ImdsClient
+    from forwarder.records import RecordFactory, utcnow
+    from forwarder.service import resolve_identity
+    from forwarder.state import AgentState, StateStore
+
+    config = load_config(args.config)
+    _setup_logging(args, config.agent.log_level)
+    imds = ImdsClient(config.imds.endpoint, config.imds.api_version, timeout=config.imds.timeout,
+                      first_call_timeout=config.imds.first_call_timeout,
+                      compute_api_version=config.imds.compute_api_version)
+    try:
+        fetch = imds.scheduled_events()
+    except ImdsError as exc:
+        print(f"sefwd: IMDS not reachable: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    try:
+        document = parse_document(fetch.body or b"")
+    except DocumentError as exc:
+        print(f"sefwd: IMDS answered with a bad document: {exc}", file=sys.stderr)
+        return EXIT_BAD_DOCUMENT
+    try:
+        saved = StateStore(config.state.dir).load()
+    except ForwarderError:
+        saved = AgentState()
+    factory = RecordFactory(resolve_identity(imds, saved), config.imds.api_version)
+    records = factory.for_changes(diff(None, document, utcnow()), document)
+    _print_records(records, args.pretty)
+    print(f"sefwd: {len(document.events)} event(s), DocumentIncarnation {document.incarnation}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _print_records(records: Sequence[object], pretty: bool) -> None:
+    from sinks.stdout import render_pretty
+
+    out = sys.stdout.buffer
+    for r in records:
+        if pretty:
+            out.write(render_pretty(r.to_dict()).encode() + b"\n")  # type: ignore[attr-defined]
+        else:
+            out.write(r.body + b"\n")  # type: ignore[attr-defined]
+    out.flush()
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from forwarder.config import SinkConfig, load_config
+    from forwarder.emulator import Emulator, load_scenario
+    from forwarder.service import Agent
+
+    config = load_config(args.config) if args.config else load_config(None, env={}, system_path=None)
+    _setup_logging(args, "warning" if not args.log_level else None)
+    pretty = sys.stdout.isatty() if args.pretty is None else args.pretty
+    scenario = load_scenario(args.scenario)
+    stop = threading.Event()
+    _install_signals(stop)
+    with tempfile.TemporaryDirectory(prefix="sefwd-demo-") as tmp, Emulator(scenario=scenario) as emulator:
+        sinks = config.sinks if args.config else (SinkConfig(type="stdout", name="stdout", options={}),)
+        config = dataclasses.replace(
+            config,
+            imds=dataclasses.replace(config.imds, endpoint=emulator.url, poll_interval=0.5, first_call_timeout=10.0),
+            state=dataclasses.replace(config.state, dir=Path(tmp) / "state"),
+            agent=dataclasses.replace(config.agent, heartbeat=0.0),
+            sinks=sinks,
+        )
+        print(f"sefwd demo: scenario {args.scenario!r} on the embedded IMDS emulator at {emulator.url}", file=sys.stderr)
+        agent = Agent(config, stop=stop, pretty=pretty)
+        result: dict[str, int] = {}
+        runner = threading.Thread(target=lambda: result.setdefault("rc", agent.run()), name="agent", daemon=True)
+        runner.start()
+        finished = emulator.wait_finished(args.timeout)
+        if finished and agent.ready.wait(10) and agent.poller is not None:
+            # One more poll after the scenario ended, so the last removal is seen.
+            agent.poller.wait_for_polls(agent.poller.stats.polls + 2, 10)
+        stop.set()
+        runner.join(30)
+        if not finished:
+            print("sefwd demo: the scenario did not finish in time", file=sys.stderr)
+            return EXIT_FAILURE
+        return result.get("rc", EXIT_FAILURE)
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from forwarder.config import EXAMPLE_CONFIG, describe, load_config
+
+    if args.config_command == "example":
+        sys.stdout.write(EXAMPLE_CONFIG)
+        return EXIT_OK
+    config = load_config(args.config)
+    print(describe(config))
+    print("config OK", file=sys.stderr)
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return cmd_run(args)
+        if args.command == "once":
+            return cmd_once(args)
+        if args.command == "demo":
+            return cmd_demo(args)
+        if args.command == "config":
+            return cmd_config(args)
+        if args.command == "emulator":
+            from forwarder.emulator.cli import run as run_emulator
+
+            return run_emulator(args)
+    except ConfigError as exc:
+        print(f"sefwd: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except ForwarderError as exc:
+        print(f"sefwd: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except BrokenPipeError:
+        return EXIT_OK
+    parser.error(f"unknown command {args.command!r}")
+    return EXIT_CONFIG

@@ -1,0 +1,82 @@
+"""Compare two documents and say what changed: a pure function, no I/O, no clock of its own."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from forwarder.document import Document, Event
+
+SCHEDULED = "scheduled"
+STARTED = "started"
+UPDATED = "updated"
+COMPLETED = "completed"
+CANCELED = "canceled"
+KINDS = (SCHEDULED, STARTED, UPDATED, COMPLETED, CANCELED)
+
+# Why an event left the document; "Completed" is never sent by IMDS, so this is inferred.
+ENDED = "ended"  # it had been seen Started
+CANCELED_BEFORE_NOT_BEFORE = "canceled_before_notbefore"  # gone while Scheduled, before NotBefore
+GONE_AFTER_NOT_BEFORE = "ran_or_canceled_unobserved"  # gone while Scheduled, after NotBefore
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One change of one event between two documents."""
+
+    kind: str
+    event: Event  # the event as it is now (for removals: as last seen)
+    previous: Event | None
+    changed_fields: tuple[str, ...] = ()
+    removal_reason: str | None = None
+    initial: bool = False
+
+    @property
+    def previous_status(self) -> str | None:
+        return self.previous.status if self.previous else None
+
+
+def changed_fields(before: Event, after: Event) -> tuple[str, ...]:
+    """IMDS field names whose values differ (fields that appeared or vanished count)."""
+    a, b = before.comparable(), after.comparable()
+    return tuple(sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) or (k in a) != (k in b)))
+
+
+def _removal_reason(event: Event, now: datetime) -> str:
+    if event.started:
+        return ENDED
+    if event.not_before is not None and now < event.not_before:
+        return CANCELED_BEFORE_NOT_BEFORE
+    return GONE_AFTER_NOT_BEFORE
+
+
+def diff(previous: Document | None, current: Document, now: datetime) -> list[Change]:
+    """Changes from ``previous`` to ``current``; ``previous=None`` means a fresh install.
+
+    A status change is one ``started`` change listing every other changed field, never an
+    extra ``updated`` beside it. Order: current events in document order, then removals.
+    """
+    if previous is None:
+        return [
+            Change(STARTED if e.started else SCHEDULED, e, None, initial=True) for e in current.events
+        ]
+    before = previous.by_id()
+    changes: list[Change] = []
+    for event in current.events:
+        old = before.get(event.event_id)
+        if old is None:
+            # Hardware failure skips Scheduled and appears as Started.
+            changes.append(Change(STARTED if event.started else SCHEDULED, event, None))
+            continue
+        fields = changed_fields(old, event)
+        if not fields:
+            continue
+        if event.started and not old.started:
+            changes.append(Change(STARTED, event, old, fields))
+        else:
+            changes.append(Change(UPDATED, event, old, fields))
+    present = {e.event_id for e in current.events}
+    for old in previous.events:
+        if old.event_id not in present:
+            kind = COMPLETED if old.started else CANCELED
+            changes.append(Change(kind, old, old, removal_reason=_removal_reason(old, now)))
+    return changes

@@ -1,0 +1,215 @@
+"""The poll loop: IMDS document → changes → records → outbox, then commit the document as seen."""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from forwarder.differ import diff
+from forwarder.document import Document, parse_document
+from forwarder.delivery import Outbox
+from forwarder.errors import DocumentError, ImdsError, StateError
+from forwarder.identity import VmIdentity
+from forwarder.imds import ImdsClient
+from forwarder.logutil import RateLimitedLog
+from forwarder.records import RecordFactory, utcnow
+from forwarder.retry import Backoff
+from forwarder.state import AgentState, StateStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PollStats:
+    """Counters that ``status``, heartbeats and telemetry read."""
+
+    polls: int = 0
+    unchanged: int = 0
+    changed_documents: int = 0
+    records: int = 0
+    imds_errors: int = 0
+    bad_documents: int = 0
+    outbox_errors: int = 0
+    consecutive_failures: int = 0
+    last_ok_wall: datetime | None = None
+
+
+class Poller:
+    """Polls IMDS at a fixed rate and turns every change of the document into records.
+
+    The document is committed as seen (state saved) only after the outbox has taken its records,
+    so a crash in between re-derives the same changes, with the same ids, on the next start.
+    """
+
+    def __init__(
+        self,
+        imds: ImdsClient,
+        store: StateStore,
+        state: AgentState,
+        factory: RecordFactory,
+        outbox: Outbox,
+        *,
+        poll_interval: float,
+        heartbeat: float = 300.0,
+        compute_refresh: float = 3600.0,
+        stop: threading.Event | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+        wallclock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.imds = imds
+        self.store = store
+        self.state = state
+        self.factory = factory
+        self.outbox = outbox
+        self.poll_interval = poll_interval
+        self.heartbeat = heartbeat
+        self.compute_refresh = compute_refresh
+        self.stop = stop or threading.Event()
+        self._mono = monotonic
+        self._wall = wallclock
+        self._errors = RateLimitedLog(log)
+        # Backing off must not make us miss short notices (Preempt gives 30 s): cap it low.
+        self._backoff = Backoff(initial=poll_interval, maximum=max(poll_interval, 5.0))
+        self._rng = random.Random()
+        self.stats = PollStats()
+        self.started_mono = monotonic()
+        self.current: Document | None = None
+        self._last_body: bytes | None = state.document.encode() if state.document is not None else None
+        if state.document is not None:
+            try:
+                self.current = parse_document(state.document)
+            except DocumentError as exc:  # cannot happen for a document we parsed before, but never crash-loop
+                log.error("saved document is unreadable (%s); treating this start as a fresh install", exc)
+                self._last_body = None
+        self.polled = threading.Condition()
+
+    # -- one cycle -------------------------------------------------------------------------
+    def poll_once(self) -> float:
+        """One poll; returns how long to wait before the next one."""
+        try:
+            fetch = self.imds.scheduled_events()
+        except ImdsError as exc:
+            return self._failed(exc)
+        self.stats.consecutive_failures = 0
+        self.stats.last_ok_wall = self._wall()
+        self._errors.clear("imds")
+        body = fetch.body
+        if body is None or body == self._last_body:  # 304, or byte-identical: the cheap common path
+            self.stats.unchanged += 1
+            self._notify()
+            return self.poll_interval
+        try:
+            document = parse_document(body)
+        except DocumentError as exc:
+            self.stats.bad_documents += 1
+            self._errors.log(logging.ERROR, "document", "skipping a bad IMDS document, keeping the last good state: %s", exc)
+            self._notify()
+            return self.poll_interval
+        self._errors.clear("document")
+        changes = diff(self.current, document, self._wall())
+        if self._emit(lambda: self.factory.for_changes(changes, document), document=document, body=body):
+            self.stats.changed_documents += 1
+            self.stats.records += len(changes)
+        self._notify()
+        return self.poll_interval
+
+    def _emit(self, build: Callable[[], list], *, document: Document | None = None, body: bytes | None = None) -> bool:
+        """Records to the outbox, then commit state; on failure roll the sequence back and retry later."""
+        sequence_before = self.factory.sequence
+        records = build()
+        new_state = AgentState(
+            sequence=self.factory.sequence,
+            document=body.decode() if body is not None else self.state.document,
+            api_version=self.factory.api_version,
+            vm=self.factory.vm.to_dict(),
+        )
+        try:
+            if records:
+                self.outbox.append(records)
+            self.store.save(new_state)
+        except (OSError, StateError, InterruptedError) as exc:
+            self.factory.sequence = sequence_before
+            self.stats.outbox_errors += 1
+            self._errors.log(logging.ERROR, "outbox", "could not make records durable, will retry: %s", exc)
+            return False
+        self._errors.clear("outbox")
+        self.state = new_state
+        if body is not None:
+            self._last_body = body
+            self.current = document
+        return True
+
+    def _failed(self, exc: ImdsError) -> float:
+        self.stats.imds_errors += 1
+        self.stats.consecutive_failures += 1
+        self._errors.log(logging.WARNING, "imds", "IMDS poll failed: %s", exc)
+        self._notify()
+        delay = self._backoff.delay(self.stats.consecutive_failures - 1, self._rng, exc.retry_after)
+        return max(self.poll_interval, delay)
+
+    def _notify(self) -> None:
+        with self.polled:
+            self.stats.polls += 1
+            self.polled.notify_all()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def emit_lifecycle(self, kind: str, **data: object) -> bool:
+        return self._emit(lambda: [self.factory.lifecycle(kind, data)])
+
+    def heartbeat_data(self) -> dict[str, object]:
+        return {
+            "UptimeSeconds": round(self._mono() - self.started_mono, 1),
+            "Polls": self.stats.polls,
+            "ImdsErrors": self.stats.imds_errors,
+            "BadDocuments": self.stats.bad_documents,
+            "LastPollOk": self.stats.last_ok_wall.isoformat().replace("+00:00", "Z") if self.stats.last_ok_wall else None,
+            "CurrentEvents": len(self.current.events) if self.current else 0,
+            "DocumentIncarnation": self.current.incarnation if self.current else None,
+        }
+
+    def refresh_identity(self) -> None:
+        """Re-read instance metadata (rarely); keep the old identity if IMDS says nothing new."""
+        try:
+            compute = self.imds.compute()
+        except ImdsError as exc:
+            log.warning("could not refresh instance metadata: %s", exc)
+            return
+        vm = VmIdentity.from_compute(compute)
+        if vm.known and vm != self.factory.vm:
+            log.info("VM identity changed: %s", vm.source)
+            self.factory.vm = vm
+
+    def run(self) -> None:
+        """Poll at a fixed rate until ``stop`` is set."""
+        next_poll = self._mono()
+        next_heartbeat = self._mono() + self.heartbeat if self.heartbeat > 0 else float("inf")
+        next_refresh = self._mono() + self.compute_refresh if self.compute_refresh > 0 else float("inf")
+        while not self.stop.is_set():
+            wait = self.poll_once()
+            now = self._mono()
+            if now >= next_heartbeat:
+                self.emit_lifecycle("heartbeat", **self.heartbeat_data())
+                next_heartbeat = now + self.heartbeat
+            if now >= next_refresh:
+                self.refresh_identity()
+                next_refresh = now + self.compute_refresh
+            # Fixed rate, not fixed delay: a slow poll does not push every later poll back.
+            next_poll = max(next_poll + wait, now) if wait == self.poll_interval else now + wait
+            if self.stop.wait(max(0.0, next_poll - self._mono())):
+                break
+
+    def wait_for_polls(self, count: int, timeout: float) -> bool:
+        """Block until ``stats.polls`` reaches ``count`` (used by demo and tests)."""
+        deadline = self._mono() + timeout
+        with self.polled:
+            while self.stats.polls < count:
+                remaining = deadline - self._mono()
+                if remaining <= 0 or self.stop.is_set():
+                    return self.stats.polls >= count
+                self.polled.wait(min(remaining, 0.5))
+        return True
+

@@ -1,0 +1,115 @@
+"""Wire the agent together from a Config and run it until stopped."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from forwarder import __version__
+from forwarder.config import Config
+from forwarder.delivery import DirectOutbox, Outbox
+from forwarder.errors import ConfigError, ImdsError
+from forwarder.identity import VmIdentity
+from forwarder.imds import ImdsClient
+from forwarder.poller import Poller
+from forwarder.records import RecordFactory
+from forwarder.retry import Backoff
+from forwarder.sinkapi import Sink, SinkContext, load_sink_factory
+from forwarder.state import AgentState, StateStore
+
+log = logging.getLogger(__name__)
+
+
+def build_sinks(config: Config, stop: threading.Event, *, pretty: bool = False) -> dict[str, Sink]:
+    """Instantiate every configured sink (imports its module only now)."""
+    sinks: dict[str, Sink] = {}
+    problems: list[str] = []
+    for sc in config.sinks:
+        try:
+            factory = load_sink_factory(sc.type)
+            ctx = SinkContext(name=sc.name, state_dir=config.state.dir / "sinks" / sc.name, stop=stop, pretty=pretty)
+            sinks[sc.name] = factory(sc.options, ctx)
+        except (LookupError, ImportError, ValueError, OSError) as exc:
+            problems.append(f"sink {sc.name!r} ({sc.type}): {exc}")
+    if problems:
+        for sink in sinks.values():
+            sink.close()
+        raise ConfigError(problems)
+    return sinks
+
+
+def resolve_identity(imds: ImdsClient, state: AgentState) -> VmIdentity:
+    """Instance metadata at start; the saved identity if IMDS cannot say (ids must stay stable)."""
+    try:
+        vm = VmIdentity.from_compute(imds.compute())
+        if vm.known:
+            return vm
+        log.warning("instance metadata carries no vmId/resourceId")
+    except ImdsError as exc:
+        log.warning("could not read instance metadata: %s", exc)
+    if state.vm:
+        return VmIdentity.from_dict(state.vm)
+    return VmIdentity.fallback()
+
+
+class Agent:
+    """The running service: one poller, its state, its sinks."""
+
+    def __init__(self, config: Config, *, stop: threading.Event | None = None, pretty: bool = False) -> None:
+        self.config = config
+        self.stop = stop or threading.Event()
+        self.pretty = pretty
+        self.poller: Poller | None = None
+        self.ready = threading.Event()
+
+    def _outbox(self) -> Outbox:
+        return DirectOutbox(build_sinks(self.config, self.stop, pretty=self.pretty), self.stop)
+
+    def run(self) -> int:
+        cfg = self.config
+        store = StateStore(cfg.state.dir)
+        store.lock()
+        try:
+            state = store.load()
+            resumed = state.document is not None
+            imds = ImdsClient(
+                cfg.imds.endpoint,
+                cfg.imds.api_version,
+                timeout=cfg.imds.timeout,
+                first_call_timeout=cfg.imds.first_call_timeout,
+                compute_api_version=cfg.imds.compute_api_version,
+                backoff=Backoff(initial=0.5, maximum=5.0),
+                stop=self.stop,
+            )
+            outbox = self._outbox()
+            try:
+                vm = resolve_identity(imds, state)
+                factory = RecordFactory(vm, cfg.imds.api_version, sequence=state.sequence)
+                self.poller = poller = Poller(
+                    imds, store, state, factory, outbox,
+                    poll_interval=cfg.imds.poll_interval,
+                    heartbeat=cfg.agent.heartbeat,
+                    compute_refresh=cfg.imds.compute_refresh,
+                    stop=self.stop,
+                )
+                log.info(
+                    "sefwd %s started: VM %s, IMDS %s (api-version %s, every %.3gs), state %s, sinks %s",
+                    __version__, vm.source, cfg.imds.endpoint, cfg.imds.api_version,
+                    cfg.imds.poll_interval, cfg.state.dir, ", ".join(s.name for s in cfg.sinks),
+                )
+                poller.emit_lifecycle(
+                    "started", Resumed=resumed, Pid=os.getpid(), Sinks=[s.name for s in cfg.sinks],
+                    PollIntervalSeconds=cfg.imds.poll_interval,
+                )
+                self.ready.set()
+                poller.run()
+                # Stopping: the stopped record must still get out, so do not let `stop` abort it.
+                poller.emit_lifecycle("stopped", Reason="shutdown", UptimeSeconds=poller.heartbeat_data()["UptimeSeconds"])
+            finally:
+                outbox.close(cfg.agent.drain_timeout)
+                imds.close()
+        finally:
+            store.unlock()
+        log.info("sefwd stopped")
+        return 0
+
