@@ -12,7 +12,7 @@ from datetime import datetime
 from forwarder.differ import diff
 from forwarder.document import Document, parse_document
 from forwarder.delivery import Outbox
-from forwarder.errors import DocumentError, ImdsError, StateError
+from forwarder.errors import DocumentError, ForwarderError, ImdsError
 from forwarder.identity import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.logutil import RateLimitedLog
@@ -131,7 +131,7 @@ class Poller:
             if records:
                 self.outbox.append(records)
             self.store.save(new_state)
-        except (OSError, StateError, InterruptedError) as exc:
+        except (OSError, ForwarderError) as exc:
             self.factory.sequence = sequence_before
             self.stats.outbox_errors += 1
             self._errors.log(logging.ERROR, "outbox", "could not make records durable, will retry: %s", exc)

@@ -7,7 +7,8 @@ import threading
 
 from forwarder import __version__
 from forwarder.config import Config
-from forwarder.delivery import DirectOutbox, Outbox
+from forwarder.dispatcher import Dispatcher
+from forwarder.journal import Journal
 from forwarder.errors import ConfigError, ImdsError
 from forwarder.identity import VmIdentity
 from forwarder.imds import ImdsClient
@@ -62,8 +63,13 @@ class Agent:
         self.poller: Poller | None = None
         self.ready = threading.Event()
 
-    def _outbox(self) -> Outbox:
-        return DirectOutbox(build_sinks(self.config, self.stop, pretty=self.pretty), self.stop)
+    def _outbox(self) -> Dispatcher:
+        cfg = self.config
+        sinks = build_sinks(cfg, self.stop, pretty=self.pretty)
+        journal = Journal(cfg.state.dir / "journal")
+        dispatcher = Dispatcher(journal, sinks, cfg.state.dir / "deadletter")
+        dispatcher.start()
+        return dispatcher
 
     def run(self) -> int:
         cfg = self.config
