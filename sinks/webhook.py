@@ -1,0 +1,283 @@
+"""The ``webhook`` sink: CloudEvents over HTTP POST, optionally signed with Standard Webhooks.
+
+One record per request by default (structured mode, ``application/cloudevents+json``); with
+``batch_size > 1`` a JSON array of records (``application/cloudevents-batch+json``). With a
+secret, every request carries ``webhook-id`` / ``webhook-timestamp`` / ``webhook-signature``;
+the id is the record id (or a digest of the batch's record ids), so it stays the same on every
+retry and a receiver can de-duplicate on it.
+
+TLS certificates are always verified (``ca_file`` adds trust in a private CA); plain ``http://``
+is allowed for loopback receivers, and elsewhere only with ``insecure_http = true``. Redirects are
+not followed: a signed POST should not wander to another address unnoticed.
+"""
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+from urllib.parse import urlsplit
+
+import requests
+
+from forwarder import __version__
+from forwarder.errors import ConfigError
+from forwarder.retry import is_retryable_status, parse_retry_after
+from forwarder.signing import load_secret, sign_headers
+from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
+from forwarder.units import parse_duration
+from sinks import check_bool, unknown_options
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = "10s"
+MAX_BATCH_SIZE = 1000
+CONTENT_TYPE_SINGLE = "application/cloudevents+json; charset=utf-8"
+CONTENT_TYPE_BATCH = "application/cloudevents-batch+json; charset=utf-8"
+USER_AGENT = f"scheduled-events-forwarder/{__version__}"
+# Enough of an answer to explain a rejection; more is drained or the connection dropped.
+_MAX_ANSWER_BYTES = 64 * 1024
+_DETAIL_CHARS = 200
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+# Set by the sink itself; a configured value would break the body or the signature.
+_RESERVED_HEADERS = frozenset({
+    "content-type", "content-length", "transfer-encoding", "host", "connection",
+    "webhook-id", "webhook-timestamp", "webhook-signature",
+})
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_url(options: Mapping[str, Any]) -> list[str]:
+    url = options.get("url")
+    if url is None:
+        return ["option 'url' is required"]
+    if not isinstance(url, str) or not url.strip():
+        return [f"option 'url' must be a non-empty string, got {url!r}"]
+    try:
+        parts = urlsplit(url.strip())
+        host = parts.hostname
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        return [f"option 'url' is not a valid URL: {exc}"]
+    if parts.scheme not in ("https", "http"):
+        return [f"option 'url' must start with https:// (or http:// for loopback), got scheme {parts.scheme!r}"]
+    if not host:
+        return ["option 'url' has no host"]
+    if parts.username is not None or parts.password is not None:
+        return ["option 'url' must not carry credentials: put them in 'headers' (never logged)"]
+    if parts.scheme == "http" and not _is_loopback(host) and options.get("insecure_http") is not True:
+        return [
+            f"option 'url' uses plain http to non-loopback host {host!r}: use https, "
+            "or set insecure_http = true to send records unencrypted"
+        ]
+    return []
+
+
+def _check_headers(headers: Any) -> list[str]:
+    if not isinstance(headers, Mapping):
+        return [f"option 'headers' must be a table of name = \"value\", got {type(headers).__name__}"]
+    problems = []
+    for name, value in headers.items():
+        if not isinstance(name, str) or not _TOKEN.match(name):
+            problems.append(f"option 'headers': {name!r} is not a valid header name")
+        elif name.lower() in _RESERVED_HEADERS:
+            problems.append(f"option 'headers': {name!r} is set by the sink and cannot be configured")
+        elif not isinstance(value, str):
+            problems.append(f"option 'headers': value of {name!r} must be a string")
+        elif any(c in value for c in "\r\n\0"):
+            # Never echo the value: it may be a token.
+            problems.append(f"option 'headers': value of {name!r} must not contain line breaks or NUL")
+    return problems
+
+
+def _redact_url(url: str) -> str:
+    """The URL without query and fragment (Azure Functions and others put keys in ``?code=``)."""
+    parts = urlsplit(url)
+    return parts._replace(query="<redacted>" if parts.query else "", fragment="").geturl()
+
+
+def batch_id(batch: Sequence[Record]) -> str:
+    """A webhook-id for a batch that is the same on every retry of the same records."""
+    digest = hashlib.sha256("\n".join(r.id for r in batch).encode()).hexdigest()
+    return "batch_" + digest[:32]
+
+
+class WebhookSink:
+    """POSTs records as CloudEvents JSON to ``url``, one per request or as a JSON array."""
+
+    OPTIONS: ClassVar[dict[str, str]] = {
+        "url": "receiver URL (required); https, or http for loopback hosts",
+        "timeout": f"connect and read timeout per request (default {DEFAULT_TIMEOUT})",
+        "headers": "table of extra request headers, e.g. Authorization (values are never logged)",
+        "batch_size": f"records per request, 1 to {MAX_BATCH_SIZE}; above 1 the body is a JSON array (default 1)",
+        "secret_env": "environment variable holding a whsec_ secret: sign requests (Standard Webhooks)",
+        "secret_file": "file holding a whsec_ secret: sign requests (Standard Webhooks)",
+        "insecure_http": "allow plain http:// to a non-loopback host (default false)",
+        "ca_file": "PEM file of CA certificates to trust instead of the system store (private CA)",
+    }
+
+    def __init__(
+        self,
+        options: Mapping[str, Any],
+        context: SinkContext,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        problems = self.check(options)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.name = context.name
+        self.url = options["url"].strip()
+        self._safe_url = _redact_url(self.url)
+        self._query = urlsplit(self.url).query
+        self.timeout = parse_duration(options.get("timeout", DEFAULT_TIMEOUT))
+        self.batch_size = int(options.get("batch_size", 1))
+        self.max_batch = self.batch_size
+        self._key = load_secret(options)
+        self._clock = clock
+        self._extra_headers = dict(options.get("headers") or {})
+        self._lock = threading.Lock()
+        self._session = requests.Session()
+        # Certificates are always checked; ca_file only changes whom we trust. Passed on every
+        # request because requests lets REQUESTS_CA_BUNDLE override a Session's own verify.
+        self._verify: str | bool = os.path.expanduser(options["ca_file"]) if options.get("ca_file") else True
+        self._session.headers["User-Agent"] = USER_AGENT
+        if urlsplit(self.url).scheme == "http":
+            log.warning(
+                "sink %r: sending records over plain http to %s (unencrypted%s)",
+                self.name, self._safe_url, ", not signed" if self._key is None else "",
+            )
+
+    @classmethod
+    def check(cls, options: Mapping[str, Any]) -> list[str]:
+        """Every problem with ``options`` (reads the secret and ca_file, changes nothing)."""
+        problems = unknown_options(options, cls.OPTIONS)
+        problems += check_bool(options, "insecure_http")
+        problems += _check_url(options)
+        if "timeout" in options:
+            try:
+                if parse_duration(options["timeout"]) <= 0:
+                    problems.append("option 'timeout' must be greater than zero")
+            except ValueError as exc:
+                problems.append(f"option 'timeout': {exc}")
+        if "batch_size" in options:
+            size = options["batch_size"]
+            if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_BATCH_SIZE:
+                problems.append(f"option 'batch_size' must be an integer from 1 to {MAX_BATCH_SIZE}, got {size!r}")
+        if options.get("headers") is not None:
+            problems += _check_headers(options["headers"])
+        try:
+            load_secret(options)
+        except ConfigError as exc:
+            problems += exc.problems
+        ca_file = options.get("ca_file")
+        if ca_file is not None:
+            if not isinstance(ca_file, str) or not ca_file.strip():
+                problems.append(f"option 'ca_file' must be a file path, got {ca_file!r}")
+            elif not os.path.isfile(os.path.expanduser(ca_file)) or not os.access(os.path.expanduser(ca_file), os.R_OK):
+                problems.append(f"option 'ca_file': {ca_file} is not a readable file")
+        return problems
+
+    # -- sending ----------------------------------------------------------------------------
+    def send(self, batch: Sequence[Record]) -> Result:
+        """POST the batch; maps every outcome to Ok / Retry / Reject and never raises."""
+        if not batch:
+            return Ok()
+        try:
+            if self.batch_size == 1:
+                # More records than max_batch: send each in turn (a retry re-sends the earlier ones,
+                # which is at-least-once as usual).
+                for record in batch:
+                    result = self._post(record.body, record.id, CONTENT_TYPE_SINGLE)
+                    if not isinstance(result, Ok):
+                        return result
+                return Ok()
+            body = b"[" + b",".join(record.body for record in batch) + b"]"
+            return self._post(body, batch_id(batch), CONTENT_TYPE_BATCH)
+        except Exception as exc:  # never raise into the dispatcher: the records stay in the journal
+            log.error("sink %r: unexpected error sending to %s: %s", self.name, self._safe_url,
+                      self._redact(f"{type(exc).__name__}: {exc}"))
+            return Retry(reason="internal_error")
+
+    def _post(self, body: bytes, msg_id: str, content_type: str) -> Result:
+        headers = dict(self._extra_headers)
+        headers["Content-Type"] = content_type
+        if self._key is not None:
+            headers.update(sign_headers(self._key, msg_id, body, now=self._clock()))
+        with self._lock:
+            try:
+                response = self._session.post(
+                    self.url, data=body, headers=headers, timeout=self.timeout,
+                    allow_redirects=False, stream=True, verify=self._verify,
+                )
+            except requests.exceptions.SSLError as exc:
+                # Usually needs a human (expired or untrusted certificate), but the record must not
+                # be lost: retry, loudly.
+                log.error("sink %r: TLS error talking to %s: %s (records kept, will retry; "
+                          "check the receiver's certificate or set ca_file)",
+                          self.name, self._safe_url, self._redact(str(exc)))
+                return Retry(reason="tls_error")
+            except requests.exceptions.Timeout:
+                log.warning("sink %r: %s did not answer within %gs", self.name, self._safe_url, self.timeout)
+                return Retry(reason="timeout")
+            except requests.exceptions.RequestException as exc:
+                log.warning("sink %r: cannot reach %s: %s", self.name, self._safe_url, self._redact(str(exc)))
+                return Retry(reason="connection_error")
+            try:
+                return self._result(response)
+            except requests.exceptions.RequestException as exc:
+                # The status arrived but the body broke off: the receiver's answer is still known.
+                log.warning("sink %r: reading the answer of %s failed: %s",
+                            self.name, self._safe_url, self._redact(str(exc)))
+                return self._map_status(response, b"")
+            finally:
+                response.close()
+
+    def _result(self, response: requests.Response) -> Result:
+        answer = b""
+        for chunk in response.iter_content(8192):
+            answer += chunk
+            if len(answer) >= _MAX_ANSWER_BYTES:
+                break  # the rest is dropped with the connection by close()
+        return self._map_status(response, answer)
+
+    def _map_status(self, response: requests.Response, answer: bytes) -> Result:
+        status = response.status_code
+        if 200 <= status < 300:
+            return Ok()
+        reason = f"http_{status}"
+        if is_retryable_status(status):
+            delay = parse_retry_after(response.headers.get("Retry-After"))
+            log.warning("sink %r: %s answered %d%s", self.name, self._safe_url, status,
+                        f", retry after {delay:g}s" if delay is not None else "")
+            return Retry(reason=reason, delay=delay)
+        if 300 <= status < 400:
+            location = response.headers.get("Location")
+            where = _redact_url(location) if location else "no Location header"
+            detail = f"HTTP {status} redirect to {where} not followed; point 'url' at the final address"
+            log.error("sink %r: %s", self.name, detail)
+            return Reject(reason="http_3xx_redirect", detail=detail)
+        detail = answer.decode("utf-8", "replace")[:_DETAIL_CHARS]
+        log.error("sink %r: %s refused the request with %d: %s", self.name, self._safe_url, status, detail)
+        return Reject(reason=reason, detail=detail)
+
+    def _redact(self, text: str) -> str:
+        return text.replace(self._query, "<redacted>") if self._query else text
+
+    def close(self) -> None:
+        """Close the keep-alive connections."""
+        with self._lock:
+            self._session.close()
