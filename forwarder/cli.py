@@ -57,6 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_emulator(sub)
 
+    p = sub.add_parser("status", help="backlog, dead letters and last poll per sink, current events")
+    _add_config_arg(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("deadletter", help="inspect and re-send records a sink rejected")
+    dsub = p.add_subparsers(dest="deadletter_command", metavar="ACTION")
+    dsub.required = True
+    d = dsub.add_parser("list", help="list dead letters (of one sink, or all)")
+    _add_config_arg(d)
+    d.add_argument("sink", nargs="?", help="sink name")
+    d.add_argument("--json", action="store_true", help="one JSON object per line")
+    d = dsub.add_parser("replay", help="send a sink's dead letters again; what fails again stays a dead letter")
+    _add_config_arg(d)
+    d.add_argument("sink", help="sink name")
+    d.add_argument("--timeout", type=float, default=300.0, help="give up retrying after this many seconds (default 300)")
+
     p = sub.add_parser("config", help="validate the config or print an annotated example")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION")
     csub.required = True
@@ -181,6 +197,48 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return result.get("rc", EXIT_FAILURE)
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import orjson
+
+    from forwarder.config import load_config
+    from forwarder.status import format_status, read_status
+
+    config = load_config(args.config)
+    status = read_status(config.state.dir)
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(status, option=orjson.OPT_INDENT_2) + b"\n")
+    else:
+        print(format_status(status))
+    return EXIT_OK
+
+
+def cmd_deadletter(args: argparse.Namespace) -> int:
+    from forwarder.config import load_config
+    from forwarder.deadletter import DeadLetters, sinks_with_dead_letters
+
+    config = load_config(args.config)
+    directory = config.state.dir / "deadletter"
+    if args.deadletter_command == "list":
+        import orjson
+
+        names = [args.sink] if args.sink else list(sinks_with_dead_letters(directory))
+        total = 0
+        for name in names:
+            for dl in DeadLetters(directory, name):
+                total += 1
+                if args.json:
+                    obj = {"sink": name, "time": dl.time, "reason": dl.reason, "detail": dl.detail, "record": dl.record.to_dict()}
+                    sys.stdout.buffer.write(orjson.dumps(obj) + b"\n")
+                else:
+                    e = dl.record.to_dict()
+                    print(f"{name}\t{dl.time}\t{dl.reason}\t{e.get('type')}\t{e.get('id')}\t{e.get('subject', '')}\t{dl.detail[:80]}")
+        print(f"{total} dead letter(s)", file=sys.stderr)
+        return EXIT_OK
+    from forwarder.replay import replay
+
+    return replay(config, args.sink, timeout=args.timeout)
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from forwarder.config import EXAMPLE_CONFIG, describe, load_config
 
@@ -205,6 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_demo(args)
         if args.command == "config":
             return cmd_config(args)
+        if args.command == "status":
+            return cmd_status(args)
+        if args.command == "deadletter":
+            return cmd_deadletter(args)
         if args.command == "emulator":
             from forwarder.emulator.cli import run as run_emulator
 

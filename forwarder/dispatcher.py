@@ -26,6 +26,7 @@ class SinkStats:
     last_error: str | None = None
     last_delivery_ms: int | None = None  # journal append time of the newest delivered record
     last_latency_ms: float | None = None
+    pending_since_ms: int | None = None  # journal time of the oldest record being delivered
 
 
 class SinkWorker:
@@ -100,6 +101,8 @@ class SinkWorker:
 
     def _deliver(self, entries: list[Entry]) -> None:
         end = entries[-1].index + 1
+        if self.stats.pending_since_ms is None:
+            self.stats.pending_since_ms = entries[0].appended_ms
         attempt = 0
         while True:
             entries = self._expired(entries)
@@ -132,6 +135,7 @@ class SinkWorker:
                 self.reader.rewind()
                 return
         self.reader.commit(end)
+        self.stats.pending_since_ms = None
 
 
 class Dispatcher:
@@ -165,6 +169,37 @@ class Dispatcher:
     def append(self, records: Sequence[Record]) -> None:
         """Outbox protocol: durable in the journal when this returns."""
         self.journal.append([r.body for r in records])
+
+    def snapshot(self) -> dict[str, object]:
+        """Per-sink and journal figures for status.json."""
+        now_ms = time.time() * 1000
+        j = self.journal
+        sinks = {}
+        for name, w in self.workers.items():
+            pending = w.stats.pending_since_ms
+            sinks[name] = {
+                "backlog": w.reader.backlog,
+                "oldest_undelivered_age_s": round((now_ms - pending) / 1000, 3) if pending else None,
+                "delivered": w.stats.delivered,
+                "retries": w.stats.retries,
+                "dead_lettered": w.stats.dead_lettered,
+                "dead_by_reason": dict(w.stats.dead_by_reason or {}),
+                "last_error": w.stats.last_error,
+                "last_latency_ms": w.stats.last_latency_ms,
+            }
+        return {
+            "journal": {
+                "next_index": j.next_index,
+                "oldest_index": j.oldest_index,
+                "size_bytes": j.size_bytes(),
+                "corrupt_skipped": dict(j.stats.corrupt_skipped),
+                "dropped_full": dict(j.stats.dropped_full),
+                "cursor_resets": dict(j.stats.cursor_resets),
+                "torn_bytes_truncated": j.stats.torn_bytes_truncated,
+                "append_failures": j.stats.append_failures,
+            },
+            "sinks": sinks,
+        }
 
     def close(self, drain_timeout: float) -> None:
         """Let sinks drain for up to ``drain_timeout`` seconds, then stop them; cursors are flushed."""

@@ -13,10 +13,11 @@ from forwarder.errors import ConfigError, ImdsError
 from forwarder.identity import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.poller import Poller
-from forwarder.records import RecordFactory
+from forwarder.records import RecordFactory, rfc3339
 from forwarder.retry import Backoff
 from forwarder.sinkapi import Sink, SinkContext, load_sink_factory
 from forwarder.state import AgentState, StateStore
+from forwarder.status import StatusReporter
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,38 @@ class Agent:
     def _outbox(self) -> Dispatcher:
         cfg = self.config
         sinks = build_sinks(cfg, self.stop, pretty=self.pretty)
-        journal = Journal(cfg.state.dir / "journal")
-        dispatcher = Dispatcher(journal, sinks, cfg.state.dir / "deadletter")
+        journal = Journal(
+            cfg.state.dir / "journal",
+            segment_size=cfg.journal.segment_size,
+            max_size=cfg.journal.max_size,
+            fsync=cfg.journal.fsync,
+        )
+        backoff = Backoff(
+            initial=cfg.delivery.retry_initial,
+            maximum=cfg.delivery.retry_max,
+            retry_after_cap=cfg.delivery.retry_after_cap,
+        )
+        dispatcher = Dispatcher(
+            journal, sinks, cfg.state.dir / "deadletter", backoff=backoff,
+            max_age={s.name: s.max_age for s in cfg.sinks},
+        )
         dispatcher.start()
         return dispatcher
+
+    def snapshot(self, outbox: Dispatcher, poller: Poller) -> dict[str, object]:
+        st = poller.stats
+        data = outbox.snapshot()
+        data["imds"] = {
+            "endpoint": self.config.imds.endpoint,
+            "api_version": self.config.imds.api_version,
+            "polls": st.polls,
+            "imds_errors": st.imds_errors,
+            "bad_documents": st.bad_documents,
+            "consecutive_failures": st.consecutive_failures,
+            "last_poll_ok": rfc3339(st.last_ok_wall),
+            "outbox_errors": st.outbox_errors,
+        }
+        return data
 
     def run(self) -> int:
         cfg = self.config
@@ -107,6 +136,9 @@ class Agent:
                     "started", Resumed=resumed, Pid=os.getpid(), Sinks=[s.name for s in cfg.sinks],
                     PollIntervalSeconds=cfg.imds.poll_interval,
                 )
+                reporter = StatusReporter(cfg.state.dir, lambda: self.snapshot(outbox, poller), self.stop)
+                reporter.write()
+                reporter.start()
                 self.ready.set()
                 poller.run()
                 # Stopping: the stopped record must still get out, so do not let `stop` abort it.
@@ -114,6 +146,8 @@ class Agent:
             finally:
                 outbox.close(cfg.agent.drain_timeout)
                 imds.close()
+                if self.poller is not None:
+                    StatusReporter(cfg.state.dir, lambda: self.snapshot(outbox, poller), self.stop).write(stopped=True)
         finally:
             store.unlock()
         log.info("sefwd stopped")

@@ -23,6 +23,7 @@ ENTRY_POINT_GROUP = "scheduled_events_forwarder.sinks"
 BUILTIN_SINKS: dict[str, str] = {
     "stdout": "sinks.stdout:StdoutSink",
     "file": "sinks.file:FileSink",
+    "webhook": "sinks.webhook:WebhookSink",
 }
 
 

@@ -1,0 +1,631 @@
+"""Load and validate the TOML config, with ``SEFWD_<SECTION>_<KEY>`` environment overrides.
+
+Every problem is collected and raised at once as a ConfigError, each naming where the value
+came from (``imds.poll_interval`` for the file, ``SEFWD_IMDS_POLL_INTERVAL`` for the
+environment). A relative ``state.dir`` resolves against the config file's directory (against
+the working directory when it comes from the environment or there is no file); relative paths
+in sink options are passed to the sink unchanged.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import sys
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from forwarder.errors import ConfigError
+from forwarder.units import format_duration, parse_duration, parse_size
+
+SYSTEM_CONFIG_PATH = Path("/etc/sefwd/config.toml")
+DEFAULTS_SOURCE = "built-in defaults"
+ENV_PREFIX = "SEFWD_"
+
+SUPPORTED_API_VERSIONS: tuple[str, ...] = (
+    "2017-03-01", "2017-08-01", "2017-11-01", "2019-01-01", "2019-04-01", "2019-08-01", "2020-07-01",
+)
+LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
+# Sink types whose SDK ships as a pip extra of the same name.
+SINK_EXTRAS: dict[str, str] = {"eventhubs": "eventhubs", "loganalytics": "loganalytics", "appinsights": "appinsights"}
+# IMDS throttles above 5 requests per second per VM.
+MIN_POLL_INTERVAL = 0.2
+MAX_POLL_INTERVAL = 3600.0
+# The sink name becomes a directory under the state dir, so it must stay one plain path part.
+_SINK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_API_VERSION = re.compile(r"^\d{4}-\d{2}-\d{2}(-preview)?$")
+_SECRET_WORDS = ("secret", "key", "password", "connection_string", "token", "authorization", "credential")
+
+_USE_SYSTEM_PATH: Any = object()
+
+
+@dataclass(frozen=True)
+class ImdsConfig:
+    """Where and how often to ask IMDS."""
+
+    endpoint: str
+    api_version: str
+    poll_interval: float
+    timeout: float
+    first_call_timeout: float
+    compute_api_version: str
+    compute_refresh: float
+
+
+@dataclass(frozen=True)
+class StateConfig:
+    """Where the journal, cursor and dead letters live."""
+
+    dir: Path
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Agent-wide behaviour."""
+
+    heartbeat: float
+    log_level: str
+    drain_timeout: float
+
+
+@dataclass(frozen=True)
+class JournalConfig:
+    """The on-disk buffer between the poller and the sinks."""
+
+    max_size: int
+    segment_size: int
+    fsync: bool
+
+
+@dataclass(frozen=True)
+class DeliveryConfig:
+    """The one retry policy every sink's delivery uses."""
+
+    retry_initial: float
+    retry_max: float
+    retry_after_cap: float
+
+
+@dataclass(frozen=True)
+class SinkConfig:
+    """One configured sink; ``options`` holds every key but the common ones (type, name, max_age)."""
+
+    type: str
+    name: str
+    options: Mapping[str, Any]
+    max_age: float | None = None  # older undelivered records go to dead letters; None = never
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole validated configuration; ``source`` is the file path or "built-in defaults"."""
+
+    imds: ImdsConfig
+    state: StateConfig
+    agent: AgentConfig
+    sinks: tuple[SinkConfig, ...]
+    source: str
+    journal: JournalConfig = JournalConfig(max_size=256 * 1024 * 1024, segment_size=8 * 1024 * 1024, fsync=True)
+    delivery: DeliveryConfig = DeliveryConfig(retry_initial=1.0, retry_max=60.0, retry_after_cap=300.0)
+
+
+# -- value parsers: raw TOML value or env string -> parsed value, or ValueError ------------------
+
+def _string(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    return value
+
+
+def _endpoint(value: Any) -> str:
+    text = _string(value).strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"must be an http:// or https:// URL with a host, got {value!r}")
+    if parts.query or parts.fragment:
+        raise ValueError(f"must be a base URL without query or fragment, got {value!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ValueError(f"has an invalid port: {value!r}") from None
+    # The client appends /metadata/...; a trailing slash would double it.
+    return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+
+
+def _api_version(value: Any) -> str:
+    text = _string(value).strip()
+    if text not in SUPPORTED_API_VERSIONS:
+        raise ValueError(f"unsupported api-version {value!r} (supported: {', '.join(SUPPORTED_API_VERSIONS)})")
+    return text
+
+
+def _compute_api_version(value: Any) -> str:
+    text = _string(value).strip()
+    if not _API_VERSION.match(text):
+        raise ValueError(f"expected an api-version like '2021-02-01', got {value!r}")
+    return text
+
+
+def _duration(low: float, high: float | None = None, *, low_inclusive: bool = True) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        seconds = parse_duration(value)
+        if (seconds < low) if low_inclusive else (seconds <= low):
+            word = "at least" if low_inclusive else "greater than"
+            raise ValueError(f"must be {word} {format_duration(low)}, got {value!r}")
+        if high is not None and seconds > high:
+            raise ValueError(f"must be at most {format_duration(high)}, got {value!r}")
+        return seconds
+
+    return parse
+
+
+def _log_level(value: Any) -> str:
+    text = _string(value).strip().lower()
+    if text == "warn":
+        text = "warning"
+    if text not in LOG_LEVELS:
+        raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return text
+
+
+def _directory(value: Any) -> Path:
+    text = _string(value).strip()
+    if not text:
+        raise ValueError("must not be empty")
+    return Path(text).expanduser()
+
+
+def _size(low: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        size = parse_size(value)
+        if size < low:
+            raise ValueError(f"must be at least {low} bytes, got {value!r}")
+        return size
+
+    return parse
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return value.strip().lower() in ("true", "1", "yes", "on")
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+@dataclass(frozen=True)
+class _Key:
+    default: Any  # raw value, run through ``parse`` like any other; None = computed
+    parse: Callable[[Any], Any]
+
+
+# The one place that says which sections and keys exist. Sections reserved for later issues
+# ("approval", "telemetry") become valid by adding one entry here.
+SECTIONS: dict[str, dict[str, _Key]] = {
+    "imds": {
+        "endpoint": _Key("http://169.254.169.254", _endpoint),
+        "api_version": _Key("2020-07-01", _api_version),
+        "poll_interval": _Key("1s", _duration(MIN_POLL_INTERVAL, MAX_POLL_INTERVAL)),
+        "timeout": _Key("5s", _duration(0.0, low_inclusive=False)),
+        "first_call_timeout": _Key("150s", _duration(0.0, low_inclusive=False)),
+        "compute_api_version": _Key("2021-02-01", _compute_api_version),
+        "compute_refresh": _Key("1h", _duration(0.0, low_inclusive=False)),
+    },
+    "state": {
+        "dir": _Key(None, _directory),
+    },
+    "agent": {
+        "heartbeat": _Key("5m", _duration(0.0)),
+        "log_level": _Key("info", _log_level),
+        "drain_timeout": _Key("10s", _duration(0.0)),
+    },
+    "journal": {
+        "max_size": _Key("256MiB", _size(1024 * 1024)),
+        "segment_size": _Key("8MiB", _size(64 * 1024)),
+        "fsync": _Key(True, _bool),
+    },
+    "delivery": {
+        "retry_initial": _Key("1s", _duration(0.0, low_inclusive=False)),
+        "retry_max": _Key("60s", _duration(0.0, low_inclusive=False)),
+        "retry_after_cap": _Key("5m", _duration(0.0)),
+    },
+}
+_TOP_LEVEL = (*SECTIONS, "sinks")
+
+
+def _suggest(word: str, choices: Any) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _env_name(section: str, key: str) -> str:
+    return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+
+
+def default_state_dir(
+    env: Mapping[str, str], *, is_root: bool | None = None, windows: bool | None = None
+) -> Path:
+    """The state directory when none is configured (``is_root``/``windows`` default to this host)."""
+    if windows is None:
+        windows = sys.platform == "win32"
+    if windows:
+        return Path(env.get("ProgramData") or env.get("PROGRAMDATA") or r"C:\ProgramData") / "sefwd"
+    if is_root is None:
+        is_root = hasattr(os, "geteuid") and os.geteuid() == 0
+    if is_root:
+        return Path("/var/lib/sefwd")
+    xdg = env.get("XDG_STATE_HOME", "")
+    # The XDG spec says relative values are invalid and must be ignored.
+    if xdg and os.path.isabs(xdg):
+        return Path(xdg) / "sefwd"
+    home = env.get("HOME") or str(Path.home())
+    return Path(home) / ".local" / "state" / "sefwd"
+
+
+def _parse_sections(
+    data: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None, problems: list[str]
+) -> dict[str, dict[str, Any]]:
+    # (raw value, label) per key: file first, then environment on top.
+    raw: dict[str, dict[str, tuple[Any, str]]] = {s: {} for s in SECTIONS}
+    for section, table in data.items():
+        if section == "sinks":
+            continue
+        if section not in SECTIONS:
+            if isinstance(table, Mapping):
+                problems.append(f"unknown section [{section}]{_suggest(section, _TOP_LEVEL)}")
+            else:
+                owners = [f"{s}.{section}" for s, keys in SECTIONS.items() if section in keys]
+                hint = f" (did you mean {owners[0]!r}?)" if owners else _suggest(section, _TOP_LEVEL)
+                problems.append(f"unknown top-level key {section!r}{hint}")
+            continue
+        if not isinstance(table, Mapping):
+            problems.append(f"{section} must be a table ([{section}]), got {table!r}")
+            continue
+        for key, value in table.items():
+            if key not in SECTIONS[section]:
+                problems.append(f"unknown key {section}.{key}{_suggest(key, SECTIONS[section])}")
+                continue
+            raw[section][key] = (value, f"{section}.{key}")
+    for var in sorted(env):
+        for section, keys in SECTIONS.items():
+            prefix = f"{ENV_PREFIX}{section.upper()}_"
+            if not var.startswith(prefix):
+                continue
+            value = env[var]
+            key = var[len(prefix):].lower()
+            if key not in keys:
+                names = [_env_name(section, k) for k in keys]
+                problems.append(
+                    f"unknown environment variable {var}: [{section}] has no key {key!r}{_suggest(var, names)}"
+                )
+            elif value != "":  # an empty value means "not set", as systemd and Docker env files write it
+                raw[section][key] = (value, f"environment {var}")
+    parsed: dict[str, dict[str, Any]] = {}
+    for section, keys in SECTIONS.items():
+        parsed[section] = {}
+        for key, spec in keys.items():
+            value, label = raw[section].get(key, (spec.default, "default"))
+            if value is None:
+                continue
+            try:
+                parsed[section][key] = spec.parse(value)
+            except ValueError as exc:
+                problems.append(f"{label}: {exc}")
+    state_dir = parsed["state"].get("dir")
+    if state_dir is None:
+        if "dir" not in raw["state"]:
+            parsed["state"]["dir"] = default_state_dir(env)
+    elif not state_dir.is_absolute():
+        from_file = raw["state"]["dir"][1] == "state.dir"
+        anchor = base_dir if from_file and base_dir is not None else Path.cwd()
+        parsed["state"]["dir"] = anchor / state_dir
+    return parsed
+
+
+def _missing_extra_hint(type_name: str) -> str:
+    from forwarder.sinkapi import available_sinks
+
+    target = available_sinks().get(type_name, "")
+    module_tail = target.partition(":")[0].rsplit(".", 1)[-1]
+    extra = SINK_EXTRAS.get(type_name) or SINK_EXTRAS.get(module_tail)
+    return f"; install it with: pip install 'scheduled-events-forwarder[{extra}]'" if extra else ""
+
+
+def _check_sink_options(index: int, sink: SinkConfig, problems: list[str]) -> None:
+    from forwarder.sinkapi import load_sink_factory
+
+    where = f"sinks[{index}] ({sink.name})"
+    try:
+        factory = load_sink_factory(sink.type)
+    except LookupError as exc:
+        problems.append(f"{where}: {exc.args[0] if exc.args else exc}")
+        return
+    except ImportError as exc:
+        problems.append(f"{where}: sink type {sink.type!r} cannot be loaded: {exc}{_missing_extra_hint(sink.type)}")
+        return
+    check = getattr(factory, "check", None)
+    if not callable(check):
+        problems.append(f"{where}: sink type {sink.type!r} has no check(options) classmethod")
+        return
+    try:
+        found = check(sink.options)
+    except Exception as exc:  # a third-party check() must not hide the other problems
+        problems.append(f"{where}: checking the options failed: {type(exc).__name__}: {exc}")
+        return
+    problems.extend(f"{where}: {p}" for p in found or ())
+
+
+SINK_COMMON_KEYS = ("type", "name", "max_age")
+
+
+def _parse_sinks(data: Mapping[str, Any], check_sinks: bool, problems: list[str]) -> tuple[SinkConfig, ...]:
+    if "sinks" not in data:
+        raw_sinks: Any = [{"type": "stdout"}]
+    else:
+        raw_sinks = data["sinks"]
+    if isinstance(raw_sinks, Mapping) or not isinstance(raw_sinks, list):
+        problems.append("sinks must be an array of tables: write each sink as [[sinks]]")
+        return ()
+    if not raw_sinks:
+        problems.append("sinks is empty: configure at least one [[sinks]] (or remove the key for stdout)")
+        return ()
+    sinks: list[SinkConfig] = []
+    seen: dict[str, int] = {}
+    for index, entry in enumerate(raw_sinks):
+        if not isinstance(entry, Mapping):
+            problems.append(f"sinks[{index}] must be a table, got {entry!r}")
+            continue
+        type_name = entry.get("type")
+        if type_name is None:
+            problems.append(f"sinks[{index}]: missing 'type' (for example type = \"stdout\")")
+            continue
+        if not isinstance(type_name, str) or not type_name.strip():
+            problems.append(f"sinks[{index}]: 'type' must be a non-empty string, got {type_name!r}")
+            continue
+        name = entry.get("name", type_name)
+        if not isinstance(name, str) or not _SINK_NAME.match(name):
+            problems.append(
+                f"sinks[{index}]: 'name' must be 1-64 letters, digits, '_', '-' or '.', "
+                f"starting with a letter or digit, got {name!r}"
+            )
+            continue
+        if name in seen:
+            problems.append(
+                f"sinks[{index}]: duplicate sink name {name!r} (also sinks[{seen[name]}]); "
+                "give each sink a distinct name"
+            )
+            continue
+        seen[name] = index
+        options = {k: v for k, v in entry.items() if k not in SINK_COMMON_KEYS}
+        max_age = None
+        if "max_age" in entry:
+            try:
+                max_age = _duration(0.0, low_inclusive=False)(entry["max_age"])
+            except ValueError as exc:
+                problems.append(f"sinks[{index}] ({name}): max_age {exc}")
+        sink = SinkConfig(type=type_name, name=name, options=options, max_age=max_age)
+        if check_sinks:
+            _check_sink_options(index, sink, problems)
+        sinks.append(sink)
+    return tuple(sinks)
+
+
+def parse_config(
+    data: Mapping[str, Any], env: Mapping[str, str], source: str, *, check_sinks: bool = True
+) -> Config:
+    """Validate parsed TOML plus environment overrides; raises ConfigError listing every problem."""
+    problems: list[str] = []
+    base_dir = Path(source).absolute().parent if source != DEFAULTS_SOURCE else None
+    parsed = _parse_sections(data, env, base_dir, problems)
+    sinks = _parse_sinks(data, check_sinks, problems)
+    if problems:
+        raise ConfigError(problems)
+    return Config(
+        imds=ImdsConfig(**parsed["imds"]),
+        state=StateConfig(**parsed["state"]),
+        agent=AgentConfig(**parsed["agent"]),
+        sinks=sinks,
+        source=source,
+        journal=JournalConfig(**parsed["journal"]),
+        delivery=DeliveryConfig(**parsed["delivery"]),
+    )
+
+
+def _read_toml(path: Path, named_by: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError([f"config file {str(path)!r} ({named_by}) does not exist"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"config file {str(path)!r} ({named_by}) is a directory"]) from None
+    except OSError as exc:
+        raise ConfigError([f"config file {str(path)!r} ({named_by}) cannot be read: {exc.strerror or exc}"]) from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError([f"config file {str(path)!r} is not valid TOML: {exc}"]) from None
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    *,
+    check_sinks: bool = True,
+    system_path: str | os.PathLike[str] | None = _USE_SYSTEM_PATH,
+) -> Config:
+    """Load ``path``, else ``$SEFWD_CONFIG``, else ``system_path`` if it exists, else defaults.
+
+    ``system_path`` defaults to SYSTEM_CONFIG_PATH; None skips the system file.
+    """
+    if env is None:
+        env = os.environ
+    if system_path is _USE_SYSTEM_PATH:
+        system_path = SYSTEM_CONFIG_PATH
+    if path is not None:
+        chosen: Path | None = Path(path)
+        named_by = "given with --config"
+    elif env.get("SEFWD_CONFIG"):
+        chosen = Path(env["SEFWD_CONFIG"])
+        named_by = "named by SEFWD_CONFIG"
+    elif system_path is not None and Path(system_path).is_file():
+        chosen = Path(system_path)
+        named_by = "system config"
+    else:
+        chosen = None
+        named_by = ""
+    if chosen is None:
+        return parse_config({}, env, DEFAULTS_SOURCE, check_sinks=check_sinks)
+    chosen = chosen.expanduser()
+    data = _read_toml(chosen, named_by)
+    return parse_config(data, env, str(chosen), check_sinks=check_sinks)
+
+
+def default_config() -> Config:
+    """The configuration used when there is no file and no environment override."""
+    return parse_config({}, {}, DEFAULTS_SOURCE)
+
+
+# -- describe -------------------------------------------------------------------------------------
+
+def _is_secret(key: str) -> bool:
+    lowered = key.lower()
+    return any(word in lowered for word in _SECRET_WORDS)
+
+
+def _redact_url(text: str) -> str:
+    """Hide credentials a URL may carry (user:password@, SAS or code= query strings)."""
+    try:
+        parts = urlsplit(text)
+    except ValueError:
+        return text
+    if parts.scheme not in ("http", "https", "sb", "amqps") or not parts.netloc:
+        return text
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
+
+
+def _show(key: str, value: Any) -> str:
+    if _is_secret(key):
+        return "***"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}={_show(str(k), v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(key, v) for v in value) + "]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(_redact_url(value))
+    return repr(value)
+
+
+def describe(config: Config) -> str:
+    """A short human summary of ``config`` for ``sefwd config check`` (secrets redacted)."""
+    imds, agent = config.imds, config.agent
+    heartbeat = format_duration(agent.heartbeat) if agent.heartbeat else "off"
+    lines = [
+        f"source: {config.source}",
+        f"imds: {_redact_url(imds.endpoint)} api-version {imds.api_version}, poll every "
+        f"{format_duration(imds.poll_interval)} (timeout {format_duration(imds.timeout)}, first call "
+        f"{format_duration(imds.first_call_timeout)}); compute api-version {imds.compute_api_version}, "
+        f"re-read every {format_duration(imds.compute_refresh)}",
+        f"state: {config.state.dir}",
+        f"agent: heartbeat {heartbeat}, log level {agent.log_level}, drain timeout "
+        f"{format_duration(agent.drain_timeout)}",
+        f"sinks ({len(config.sinks)}):",
+    ]
+    for sink in config.sinks:
+        options = ", ".join(f"{k}={_show(k, v)}" for k, v in sink.options.items())
+        lines.append(f"  {sink.name} (type {sink.type})" + (f": {options}" if options else ""))
+    return "\n".join(lines)
+
+
+EXAMPLE_CONFIG = '''\
+# scheduled-events-forwarder (sefwd) configuration.
+#
+# Found at: --config FILE, else $SEFWD_CONFIG, else /etc/sefwd/config.toml, else built-in
+# defaults (the values below, with one stdout sink). Every key of [imds], [state] and [agent]
+# can also be set by an environment variable SEFWD_<SECTION>_<KEY>, which wins over this file:
+# SEFWD_IMDS_ENDPOINT=http://127.0.0.1:8080/vm/web-0 points the agent at an emulator.
+# An empty variable counts as unset. Durations: "500ms", "1s", "5m", "1h", "1d" or a number of
+# seconds. Sizes: "64MiB", "10MB", "4096". Check a file with: sefwd config check --config FILE
+
+[imds]
+# Base URL of the Instance Metadata Service; may carry a path prefix (the emulator serves
+# each VM under /vm/<name>).
+endpoint = "http://169.254.169.254"
+# Scheduled Events api-version: 2017-03-01 2017-08-01 2017-11-01 2019-01-01 2019-04-01
+# 2019-08-01 2020-07-01. Newer versions add fields (Description, EventSource, DurationInSeconds).
+api_version = "2020-07-01"
+# How often to poll. Events give as little as 30 s notice (Preempt), so keep it short;
+# IMDS allows 5 requests per second, hence the 200ms floor (at most 1h).
+poll_interval = "1s"
+# Read timeout of a normal poll.
+timeout = "5s"
+# The very first call enables Scheduled Events for the VM and can take up to 2 minutes.
+first_call_timeout = "150s"
+# api-version of /metadata/instance/compute, read for the VM's identity (vmId, name, ...).
+compute_api_version = "2021-02-01"
+# Instance metadata rarely changes: re-read it this rarely.
+compute_refresh = "1h"
+
+[state]
+# Journal, cursor, status and dead letters. Default: /var/lib/sefwd as root, else
+# $XDG_STATE_HOME/sefwd or ~/.local/state/sefwd (%ProgramData%\\sefwd on Windows).
+# A relative path resolves against this file's directory.
+dir = "/var/lib/sefwd"
+
+[agent]
+# Interval of forwarder.heartbeat records, so a silent agent can be told from a dead one;
+# "0" turns them off.
+heartbeat = "5m"
+# debug, info, warning or error (logs go to stderr; stdout carries records only).
+log_level = "info"
+# On shutdown, how long sinks may keep delivering the backlog before the agent exits
+# (undelivered records stay in the journal and are sent on the next start).
+drain_timeout = "10s"
+
+[journal]
+# The crash-safe buffer between polling and delivery (under the state dir). When it would grow
+# past max_size the oldest segment is dropped and every record a sink thereby loses is counted
+# (sefwd status, "dropped_full"): newer notices matter more than old ones.
+max_size = "256MiB"
+segment_size = "8MiB"
+# fsync every append before the document is committed as seen. Turn off only for tests.
+fsync = true
+
+[delivery]
+# Retry policy of every sink: capped exponential backoff with full jitter.
+retry_initial = "1s"
+retry_max = "60s"
+# A peer's Retry-After is honoured up to this long.
+retry_after_cap = "5m"
+
+# Sinks: one [[sinks]] table each. "type" picks the sink; "name" (default: the type) must be
+# unique and names the sink's dead-letter and state directories. "max_age" (optional, e.g.
+# "24h") moves records that could not be delivered for that long to dead letters. Every other key is an option
+# of that sink type. Without any [[sinks]] the agent writes to stdout; relative paths in sink
+# options are resolved by the sink, not by this file's location.
+
+[[sinks]]
+type = "stdout"
+name = "stdout"
+# One human-readable line per record instead of one JSON object per line.
+pretty = false
+
+[[sinks]]
+type = "file"
+name = "events-file"
+# JSON lines appended here (parent directories are created).
+path = "/var/log/sefwd/events.jsonl"
+# Rotate before the file would grow past this size ...
+max_size = "64MiB"
+# ... keeping path.1 ... path.5, the oldest deleted.
+backups = 5
+# fsync after every batch: an acknowledged batch then survives power loss, at some cost.
+fsync = false
+'''

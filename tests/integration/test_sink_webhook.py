@@ -1,0 +1,388 @@
+"""The webhook sink against a real HTTP(S) receiver on loopback; signatures checked by `standardwebhooks`."""
+from __future__ import annotations
+
+import email.utils
+import json
+import logging
+import socket
+import ssl
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trustme
+from standardwebhooks.webhooks import Webhook
+
+from forwarder.signing import generate_secret
+from forwarder.sinkapi import Ok, Record, Reject, Retry, SinkContext
+from sinks.webhook import CONTENT_TYPE_BATCH, CONTENT_TYPE_SINGLE, WebhookSink, batch_id
+from tests.peers.webhook_receiver import Reply, WebhookReceiver
+
+pytestmark = pytest.mark.timeout(60)
+
+TOKEN = "Bearer s3cr3t-token-value"
+
+
+def record(n: int) -> Record:
+    return Record.from_dict({
+        "specversion": "1.0", "id": f"rec-{n}", "type": "com.microsoft.azure.scheduledevent.scheduled",
+        "source": "/test", "data": {"EventId": f"E{n}", "Text": "é"},
+    })
+
+
+@pytest.fixture
+def receiver() -> Iterator[WebhookReceiver]:
+    with WebhookReceiver() as rx:
+        yield rx
+
+
+@pytest.fixture
+def make_sink(tmp_path: Path) -> Iterator:
+    built: list[WebhookSink] = []
+
+    def make(**options) -> WebhookSink:
+        sink = WebhookSink(options, SinkContext(name="hook", state_dir=tmp_path))
+        built.append(sink)
+        return sink
+
+    yield make
+    for sink in built:
+        sink.close()
+
+
+@pytest.fixture
+def secret(monkeypatch: pytest.MonkeyPatch) -> str:
+    value = generate_secret()
+    monkeypatch.setenv("SEFWD_TEST_HOOK_SECRET", value)
+    return value
+
+
+# -- bodies and content types ---------------------------------------------------------------------
+def test_single_record_body_and_headers(receiver, make_sink):
+    sink = make_sink(url=receiver.url, headers={"Authorization": TOKEN, "X-Team": "ops"})
+    assert sink.max_batch == 1
+    rec = record(1)
+    assert sink.send([rec]) == Ok()
+    (req,) = receiver.wait_for(1)
+    assert req.method == "POST" and req.path == "/hook"
+    assert req.body == rec.body
+    assert req.header("content-type") == CONTENT_TYPE_SINGLE
+    assert req.header("authorization") == TOKEN and req.header("x-team") == "ops"
+    assert req.header("user-agent").startswith("scheduled-events-forwarder/")
+    assert req.header("webhook-signature") is None  # no secret, no signature
+
+
+def test_batch_body_is_json_array_of_the_bodies(receiver, make_sink):
+    sink = make_sink(url=receiver.url, batch_size=3)
+    assert sink.max_batch == 3
+    batch = [record(1), record(2), record(3)]
+    assert sink.send(batch) == Ok()
+    (req,) = receiver.wait_for(1)
+    assert req.header("content-type") == CONTENT_TYPE_BATCH
+    assert req.body == b"[" + b",".join(r.body for r in batch) + b"]"
+    assert [e["id"] for e in req.json()] == ["rec-1", "rec-2", "rec-3"]
+
+
+def test_batch_size_one_sends_each_record_and_reuses_the_connection(receiver, make_sink):
+    sink = make_sink(url=receiver.url)
+    assert sink.send([record(1), record(2)]) == Ok()
+    assert sink.send([record(3)]) == Ok()
+    assert sink.send([]) == Ok()
+    reqs = receiver.wait_for(3)
+    assert [r.json()["id"] for r in reqs] == ["rec-1", "rec-2", "rec-3"]
+    assert len({r.client for r in reqs}) == 1  # one keep-alive connection
+
+
+def test_batch_size_one_stops_at_first_failure(receiver, make_sink):
+    receiver.set_policy([200, 503, 200])
+    sink = make_sink(url=receiver.url)
+    assert sink.send([record(1), record(2), record(3)]) == Retry(reason="http_503")
+    assert [r.json()["id"] for r in receiver.requests] == ["rec-1", "rec-2"]
+
+
+# -- signatures -----------------------------------------------------------------------------------
+def test_signed_single_verified_by_reference_package_and_id_stable_across_retry(receiver, make_sink, secret):
+    receiver.set_policy([503, 200])
+    sink = make_sink(url=receiver.url, secret_env="SEFWD_TEST_HOOK_SECRET")
+    rec = record(7)
+    assert sink.send([rec]) == Retry(reason="http_503")
+    assert sink.send([rec]) == Ok()  # the dispatcher sends the same batch again
+    first, second = receiver.wait_for(2)
+    wh = Webhook(secret)
+    for req in (first, second):
+        assert wh.verify(req.body, req.headers)["id"] == "rec-7"
+        assert req.header("webhook-id") == "rec-7"
+        assert abs(int(req.header("webhook-timestamp")) - time.time()) < 60
+
+
+def test_signed_batch_id_is_deterministic(receiver, make_sink, secret):
+    receiver.set_policy([500, 200])
+    sink = make_sink(url=receiver.url, batch_size=10, secret_env="SEFWD_TEST_HOOK_SECRET")
+    batch = [record(1), record(2)]
+    assert sink.send(batch) == Retry(reason="http_500")
+    assert sink.send(batch) == Ok()
+    sink.send([record(2), record(1)])
+    first, second, other = receiver.wait_for(3)
+    wh = Webhook(secret)
+    assert [e["id"] for e in wh.verify(first.body, first.headers)] == ["rec-1", "rec-2"]
+    wh.verify(second.body, second.headers)
+    assert first.header("webhook-id") == second.header("webhook-id") == batch_id(batch)
+    assert first.header("webhook-id").startswith("batch_") and len(first.header("webhook-id")) == 38
+    assert other.header("webhook-id") != first.header("webhook-id")
+
+
+def test_signature_fails_with_other_secret(receiver, make_sink, secret):
+    from standardwebhooks.webhooks import WebhookVerificationError
+
+    make_sink(url=receiver.url, secret_env="SEFWD_TEST_HOOK_SECRET").send([record(1)])
+    (req,) = receiver.wait_for(1)
+    with pytest.raises(WebhookVerificationError):
+        Webhook(generate_secret()).verify(req.body, req.headers)
+
+
+def test_secret_from_file(receiver, make_sink, tmp_path):
+    value = generate_secret()
+    path = tmp_path / "hook.secret"
+    path.write_text(value + "\n")
+    make_sink(url=receiver.url, secret_file=str(path)).send([record(1)])
+    (req,) = receiver.wait_for(1)
+    assert Webhook(value).verify(req.body, req.headers)["id"] == "rec-1"
+
+
+# -- status mapping -------------------------------------------------------------------------------
+@pytest.mark.parametrize("status", [200, 201, 202, 204])
+def test_2xx_is_ok(receiver, make_sink, status):
+    receiver.set_policy(Reply(status, body=b"thanks" if status != 204 else b""))
+    assert make_sink(url=receiver.url).send([record(1)]) == Ok()
+
+
+@pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504])
+def test_retryable_statuses(receiver, make_sink, status):
+    receiver.set_policy(status)
+    assert make_sink(url=receiver.url).send([record(1)]) == Retry(reason=f"http_{status}", delay=None)
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 410, 413, 422])
+def test_other_4xx_rejected_with_body_detail(receiver, make_sink, status, caplog):
+    receiver.set_policy(Reply(status, body=b"nope: " + b"x" * 500))
+    sink = make_sink(url=receiver.url, headers={"Authorization": TOKEN})
+    with caplog.at_level(logging.DEBUG):
+        result = sink.send([record(1)])
+    assert result == Reject(reason=f"http_{status}", detail="nope: " + "x" * 194)
+    assert TOKEN not in caplog.text and "s3cr3t" not in caplog.text
+
+
+def test_retry_after_seconds(receiver, make_sink):
+    receiver.set_policy(Reply(429, headers={"Retry-After": "7"}))
+    assert make_sink(url=receiver.url).send([record(1)]) == Retry(reason="http_429", delay=7.0)
+
+
+def test_retry_after_http_date(receiver, make_sink):
+    when = email.utils.formatdate(time.time() + 30, usegmt=True)
+    receiver.set_policy(Reply(503, headers={"Retry-After": when}))
+    result = make_sink(url=receiver.url).send([record(1)])
+    assert isinstance(result, Retry) and result.reason == "http_503"
+    assert result.delay is not None and 20 <= result.delay <= 31
+
+
+def test_timeout_when_receiver_hangs(receiver, make_sink):
+    receiver.set_policy(Reply(200, delay=30))
+    sink = make_sink(url=receiver.url, timeout="300ms")
+    started = time.monotonic()
+    assert sink.send([record(1)]) == Retry(reason="timeout")
+    assert time.monotonic() - started < 5
+    receiver.wait_for(1)  # it did arrive; the answer did not
+    receiver.set_policy(200)
+    assert sink.send([record(1)]) == Ok()  # a fresh connection after the timed-out one
+
+
+def test_connection_refused(tmp_path):
+    # A bound socket that never listens: connecting gets a reset, without racing another test.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sink = WebhookSink({"url": f"http://127.0.0.1:{port}/hook?code=KEY123", "timeout": "2s"},
+                           SinkContext(name="hook", state_dir=tmp_path))
+        try:
+            assert sink.send([record(1)]) == Retry(reason="connection_error")
+        finally:
+            sink.close()
+
+
+def test_connection_refused_does_not_log_url_query(caplog, tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sink = WebhookSink({"url": f"http://127.0.0.1:{port}/api/hook?code=KEY123"},
+                           SinkContext(name="hook", state_dir=tmp_path))
+        with caplog.at_level(logging.DEBUG, logger="sinks.webhook"):
+            assert isinstance(sink.send([record(1)]), Retry)
+        sink.close()
+    assert "/api/hook" in caplog.text
+    assert "KEY123" not in caplog.text
+
+
+def test_redirect_not_followed(receiver, make_sink):
+    target = receiver.url_for("/elsewhere")
+    receiver.set_policy(Reply(302, headers={"Location": target}))
+    result = make_sink(url=receiver.url).send([record(1)])
+    assert isinstance(result, Reject) and result.reason == "http_3xx_redirect"
+    assert target in result.detail
+    assert [r.path for r in receiver.requests] == ["/hook"]
+
+
+def test_http_loopback_warning_logged_once(receiver, tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="sinks.webhook"):
+        sink = WebhookSink({"url": receiver.url}, SinkContext(name="hook", state_dir=tmp_path))
+        for n in range(3):
+            assert sink.send([record(n)]) == Ok()
+        sink.close()
+    assert sum("plain http" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- check() --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options, fragment",
+    [
+        ({}, "option 'url' is required"),
+        ({"url": ""}, "non-empty"),
+        ({"url": "ftp://example.com/x"}, "must start with https://"),
+        ({"url": "https:///nohost"}, "no host"),
+        ({"url": "https://user:pw@example.com/"}, "credentials"),
+        ({"url": "http://example.com/hook"}, "insecure_http"),
+        ({"url": "http://10.1.2.3/hook", "insecure_http": False}, "insecure_http"),
+        ({"url": "http://127.0.0.1.example.com/"}, "insecure_http"),
+        ({"url": "https://example.com", "insecure_http": "yes"}, "true or false"),
+        ({"url": "https://example.com", "batch_size": 0}, "batch_size"),
+        ({"url": "https://example.com", "batch_size": 1001}, "batch_size"),
+        ({"url": "https://example.com", "batch_size": True}, "batch_size"),
+        ({"url": "https://example.com", "batch_size": "10"}, "batch_size"),
+        ({"url": "https://example.com", "timeout": "soon"}, "timeout"),
+        ({"url": "https://example.com", "timeout": 0}, "timeout"),
+        ({"url": "https://example.com", "secret_env": "A", "secret_file": "/x"}, "exclusive"),
+        ({"url": "https://example.com", "secret_env": "SEFWD_SURELY_UNSET_VAR"}, "is not set"),
+        ({"url": "https://example.com", "secret_file": "/nonexistent/secret"}, "cannot read"),
+        ({"url": "https://example.com", "colour": "blue"}, "unknown option 'colour'"),
+        ({"url": "https://example.com", "headers": {"X-A": "one\r\nX-Evil: two"}}, "line breaks"),
+        ({"url": "https://example.com", "headers": {"X-A": "one\ntwo"}}, "line breaks"),
+        ({"url": "https://example.com", "headers": {"Bad Name": "v"}}, "not a valid header name"),
+        ({"url": "https://example.com", "headers": {"X-N": 5}}, "must be a string"),
+        ({"url": "https://example.com", "headers": {"Content-Type": "text/plain"}}, "set by the sink"),
+        ({"url": "https://example.com", "headers": {"webhook-id": "x"}}, "set by the sink"),
+        ({"url": "https://example.com", "headers": "Authorization: x"}, "must be a table"),
+        ({"url": "https://example.com", "ca_file": "/nonexistent/ca.pem"}, "ca_file"),
+    ],
+)
+def test_check_reports_problem(options, fragment):
+    problems = WebhookSink.check(options)
+    assert any(fragment in p for p in problems), problems
+
+
+def test_check_reports_every_problem_and_never_echoes_header_values():
+    problems = WebhookSink.check({
+        "url": "http://example.com", "batch_size": 0, "nope": 1,
+        "headers": {"Authorization": "Bearer abc\ndef"},
+    })
+    assert len(problems) == 4, problems
+    assert not any("abc" in p for p in problems)
+
+
+def test_constructor_refuses_bad_options(tmp_path):
+    with pytest.raises(ValueError, match="insecure_http"):
+        WebhookSink({"url": "http://example.com"}, SinkContext(name="hook", state_dir=tmp_path))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"url": "https://example.com/hook"},
+        {"url": "http://127.0.0.1:8080/hook"},
+        {"url": "http://127.9.9.9/hook"},
+        {"url": "http://localhost/hook"},
+        {"url": "http://[::1]:9000/hook"},
+        {"url": "http://10.1.2.3/hook", "insecure_http": True},
+        {"url": "https://example.com", "timeout": "1.5s", "batch_size": 1000, "headers": {"Authorization": "x"}},
+    ],
+)
+def test_check_accepts(options):
+    assert WebhookSink.check(options) == []
+
+
+# -- TLS --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture
+def tls_receiver(ca) -> Iterator[WebhookReceiver]:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1", "localhost").configure_cert(ctx)
+    with WebhookReceiver(ssl_context=ctx) as rx:
+        yield rx
+
+
+def test_https_with_private_ca(tls_receiver, make_sink, ca, tmp_path, secret):
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    sink = make_sink(url=tls_receiver.url, ca_file=str(ca_file), secret_env="SEFWD_TEST_HOOK_SECRET")
+    assert tls_receiver.url.startswith("https://")
+    assert sink.send([record(1)]) == Ok()
+    assert sink.send([record(2)]) == Ok()
+    first, second = tls_receiver.wait_for(2)
+    assert Webhook(secret).verify(second.body, second.headers)["id"] == "rec-2"
+    assert first.client == second.client  # TLS session kept alive
+
+
+def test_untrusted_certificate_is_retried_not_sent(tls_receiver, make_sink, caplog, monkeypatch):
+    monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
+    monkeypatch.delenv("CURL_CA_BUNDLE", raising=False)
+    sink = make_sink(url=tls_receiver.url)
+    with caplog.at_level(logging.ERROR, logger="sinks.webhook"):
+        assert sink.send([record(1)]) == Retry(reason="tls_error")
+    assert "TLS error" in caplog.text
+    assert tls_receiver.count == 0
+
+
+def test_certificate_from_other_ca_is_retried_not_sent(tls_receiver, make_sink, tmp_path):
+    other = tmp_path / "other-ca.pem"
+    trustme.CA().cert_pem.write_to_path(str(other))
+    sink = make_sink(url=tls_receiver.url, ca_file=str(other))
+    assert sink.send([record(1)]) == Retry(reason="tls_error")
+    assert tls_receiver.count == 0
+
+
+def test_certificate_for_other_host_is_retried_not_sent(ca, make_sink, tmp_path):
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("receiver.example").configure_cert(ctx)
+    ca_file = tmp_path / "ca.pem"
+    ca.cert_pem.write_to_path(str(ca_file))
+    with WebhookReceiver(ssl_context=ctx) as rx:
+        assert make_sink(url=rx.url, ca_file=str(ca_file)).send([record(1)]) == Retry(reason="tls_error")
+        assert rx.count == 0
+
+
+def test_receiver_json_helper_round_trips(receiver):
+    # The peer itself: a callable policy sees each request and its answer reaches the client.
+    import requests
+
+    seen = []
+    receiver.set_policy(lambda req: seen.append(req.json()) or Reply(201, body=b'{"ok":true}'))
+    r = requests.post(receiver.url, data=json.dumps({"a": 1}), timeout=5)
+    assert r.status_code == 201 and r.json() == {"ok": True}
+    assert seen == [{"a": 1}]
+
+
+def test_timestamp_comes_from_the_injected_clock(receiver, tmp_path, secret):
+    from forwarder.signing import parse_secret, verify
+
+    sink = WebhookSink({"url": receiver.url, "secret_env": "SEFWD_TEST_HOOK_SECRET"},
+                       SinkContext(name="hook", state_dir=tmp_path), clock=lambda: 1_614_265_330.7)
+    try:
+        assert sink.send([record(1)]) == Ok()
+    finally:
+        sink.close()
+    (req,) = receiver.wait_for(1)
+    assert req.header("webhook-timestamp") == "1614265330"
+    assert verify(parse_secret(secret), req.headers, req.body, now=1_614_265_331) == "rec-1"
