@@ -1,0 +1,368 @@
+"""ImdsClient against a real scriptable HTTP peer on loopback."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from forwarder.errors import ConfigError, ImdsError
+from forwarder.imds import Fetch, ImdsClient
+from forwarder.retry import Backoff
+from tests.peers.http_peer import HttpPeer, Response
+
+pytestmark = pytest.mark.timeout(60)
+
+VERSION = "2020-07-01"
+EVENTS = "/metadata/scheduledevents"
+COMPUTE = "/metadata/instance/compute"
+DOC = b'{"DocumentIncarnation":1,"Events":[]}'
+FAST = Backoff(initial=0.01, maximum=0.02)
+
+
+@pytest.fixture()
+def peer() -> Iterator[HttpPeer]:
+    with HttpPeer(default=Response(200, body=DOC)) as p:
+        yield p
+
+
+@pytest.fixture()
+def client(peer: HttpPeer) -> Iterator[ImdsClient]:
+    c = ImdsClient(peer.url, VERSION, timeout=2.0, first_call_timeout=5.0, backoff=FAST, retry_deadline=10.0)
+    yield c
+    c.close()
+
+
+def dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- request shape -------------------------------------------------------------------------
+def test_poll_sends_metadata_header_single_api_version_and_no_forwarding_headers(
+    peer: HttpPeer, client: ImdsClient
+) -> None:
+    fetch = client.scheduled_events()
+    assert fetch == Fetch(200, DOC, None, fetch.elapsed)
+    assert fetch.elapsed >= 0
+    (req,) = peer.requests
+    assert req.method == "GET"
+    assert req.path == EVENTS
+    assert req.raw_query == f"api-version={VERSION}"
+    assert req.query == {"api-version": [VERSION]}
+    assert req.header("Metadata") == "true"
+    names = {name.lower() for name, _ in req.raw_headers}
+    assert "x-forwarded-for" not in names
+    assert not any(n.startswith("proxy-") for n in names)
+    assert "if-none-match" not in names
+
+
+def test_proxy_environment_is_ignored(peer: HttpPeer, monkeypatch: pytest.MonkeyPatch) -> None:
+    proxy = f"http://127.0.0.1:{dead_port()}"
+    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, proxy)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    peer.queue(Response(200, body={"vmId": "v"}), path=COMPUTE)
+    with ImdsClient(peer.url, VERSION, backoff=FAST, retry_deadline=1.0) as c:
+        assert c.scheduled_events().body == DOC  # would be "connection refused" through the proxy
+        c.start_requests(["E1"])
+        assert c.compute() == {"vmId": "v"}
+    reqs = peer.requests
+    assert [r.path for r in reqs] == [EVENTS, EVENTS, COMPUTE]  # origin-form: nothing went via a proxy
+    assert all(r.header("Metadata") == "true" and r.header("X-Forwarded-For") is None for r in reqs)
+
+
+@pytest.mark.parametrize("suffix", ["/vm/WestNO_1", "/vm/WestNO_1/", "/vm/WestNO_1/metadata"])
+def test_endpoint_path_prefix_is_kept(peer: HttpPeer, suffix: str) -> None:
+    with ImdsClient(peer.url + suffix, VERSION, compute_api_version="2023-07-01", backoff=FAST) as c:
+        c.scheduled_events()
+        c.compute()
+    events, compute = peer.requests
+    assert events.path == "/vm/WestNO_1/metadata/scheduledevents"
+    assert compute.path == "/vm/WestNO_1/metadata/instance/compute"
+    assert compute.raw_query == "api-version=2023-07-01"
+
+
+def test_bare_metadata_base_url_is_accepted(peer: HttpPeer) -> None:
+    with ImdsClient(peer.url + "/metadata", VERSION) as c:
+        c.scheduled_events()
+    assert peer.requests[0].path == EVENTS
+
+
+@pytest.mark.parametrize("endpoint", ["169.254.169.254", "ftp://host/", "http:///nohost", "http://h/?x=1"])
+def test_bad_endpoint_is_a_config_error(endpoint: str) -> None:
+    with pytest.raises(ConfigError, match="imds endpoint"):
+        ImdsClient(endpoint, VERSION)
+
+
+def test_keep_alive_connection_is_reused(peer: HttpPeer, client: ImdsClient) -> None:
+    for _ in range(4):
+        client.scheduled_events()
+    client.start_requests(["E1"])
+    assert len({r.client for r in peer.requests}) == 1
+
+
+# -- ETag / 304 ----------------------------------------------------------------------------
+def test_etag_is_sent_back_and_304_has_no_body(peer: HttpPeer, client: ImdsClient) -> None:
+    peer.queue(
+        Response(200, {"ETag": '"v1"'}, DOC),
+        Response(304, {"ETag": '"v1"'}),
+        Response(304),  # an ETag-less 304 still means "what you have"
+        Response(200, {"ETag": '"v2"'}, b'{"DocumentIncarnation":2,"Events":[]}'),
+        Response(200, {}, DOC),  # no ETag any more: stop sending a stale one
+        Response(200, {}, DOC),
+    )
+    first = client.scheduled_events()
+    assert (first.status, first.body, first.etag) == (200, DOC, '"v1"')
+    second = client.scheduled_events()
+    assert (second.status, second.body, second.etag) == (304, None, '"v1"')
+    third = client.scheduled_events()
+    assert (third.status, third.body, third.etag) == (304, None, '"v1"')
+    fourth = client.scheduled_events()
+    assert (fourth.status, fourth.etag) == (200, '"v2"') and fourth.body.startswith(b'{"DocumentIncarnation":2')
+    fifth = client.scheduled_events()
+    assert (fifth.status, fifth.etag) == (200, None)
+    client.scheduled_events()
+    sent = [r.header("If-None-Match") for r in peer.requests]
+    assert sent == [None, '"v1"', '"v1"', '"v1"', '"v2"', None]
+
+
+def test_without_etags_no_conditional_requests_and_stray_304_is_an_error(peer: HttpPeer, client: ImdsClient) -> None:
+    peer.queue(Response(200, body=DOC), Response(200, body=DOC), Response(304))
+    assert client.scheduled_events().etag is None
+    assert client.scheduled_events().body == DOC
+    with pytest.raises(ImdsError, match="304") as info:
+        client.scheduled_events()
+    assert info.value.status == 304 and info.value.retryable
+    assert all(r.header("If-None-Match") is None for r in peer.requests)
+
+
+def test_forget_etag_drops_if_none_match(peer: HttpPeer, client: ImdsClient) -> None:
+    peer.queue(Response(200, {"ETag": "W/\"x\""}, DOC))
+    client.scheduled_events()
+    client.forget_etag()
+    client.scheduled_events()
+    assert [r.header("If-None-Match") for r in peer.requests] == [None, None]
+
+
+# -- error statuses ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "status, retryable, headers, retry_after",
+    [
+        (400, False, {}, None),
+        (404, False, {}, None),
+        (405, False, {"Allow": "GET, POST"}, None),
+        (410, True, {}, None),
+        (429, True, {"Retry-After": "7"}, 7.0),
+        (500, True, {}, None),
+        (503, True, {"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}, 0.0),
+    ],
+)
+def test_error_status_mapping(
+    peer: HttpPeer, client: ImdsClient, status: int, retryable: bool, headers: dict[str, str], retry_after: float | None
+) -> None:
+    peer.queue(Response(status, headers, b'{"error": "something specific"}'))
+    with pytest.raises(ImdsError) as info:
+        client.scheduled_events()
+    err = info.value
+    assert (err.status, err.retryable, err.retry_after) == (status, retryable, retry_after)
+    message = str(err)
+    assert client.events_url in message
+    assert str(status) in message
+    assert "something specific" in message
+    assert len(peer.requests) == 1  # no retry loop inside the poll
+
+
+def test_error_message_body_is_truncated(peer: HttpPeer, client: ImdsClient) -> None:
+    peer.queue(Response(500, body=b"x" * 5000))
+    with pytest.raises(ImdsError) as info:
+        client.scheduled_events()
+    message = str(info.value)
+    assert "x" * 200 in message and "x" * 201 not in message
+    assert len(message) < 400
+
+
+# -- timeouts and connection errors ---------------------------------------------------------
+def test_first_call_gets_the_long_timeout_then_the_short_one(peer: HttpPeer) -> None:
+    peer.queue(Response(200, body=DOC, delay=0.8), Response(200, body=DOC, delay=3.0))
+    with ImdsClient(peer.url, VERSION, timeout=0.3, first_call_timeout=4.0) as c:
+        assert c.scheduled_events().body == DOC  # 0.8 s > timeout, but the first call may be slow
+        started = time.monotonic()
+        with pytest.raises(ImdsError, match=r"timed out after 0\.3s") as info:
+            c.scheduled_events()
+        assert time.monotonic() - started < 2.5
+    assert info.value.status is None and info.value.retryable
+    peer.release()
+
+
+def test_first_call_timeout_applies_until_a_first_success(peer: HttpPeer) -> None:
+    peer.queue(Response(hang=True), Response(500), Response(200, body=DOC, delay=1.0))
+    with ImdsClient(peer.url, VERSION, timeout=0.2, first_call_timeout=0.4) as c:
+        started = time.monotonic()
+        with pytest.raises(ImdsError, match=r"timed out after 0\.4s") as info:
+            c.scheduled_events()
+        assert 0.35 <= time.monotonic() - started < 3.0
+        assert info.value.status is None and info.value.retryable
+        with pytest.raises(ImdsError):
+            c.scheduled_events()  # the 500
+        with pytest.raises(ImdsError, match=r"timed out after 0\.4s"):
+            c.scheduled_events()  # still "first call": 1.0 s outlasts 0.4 s
+    peer.release()
+
+
+def test_connection_refused_is_retryable_and_names_the_url() -> None:
+    port = dead_port()
+    with ImdsClient(f"http://127.0.0.1:{port}", VERSION, backoff=FAST, retry_deadline=0.3) as c:
+        with pytest.raises(ImdsError) as info:
+            c.scheduled_events()
+        assert info.value.status is None and info.value.retryable
+        assert f"127.0.0.1:{port}/metadata/scheduledevents" in str(info.value)
+        assert "refused" in str(info.value).lower()
+        started = time.monotonic()
+        with pytest.raises(ImdsError, match="giving up"):
+            c.compute()
+        assert time.monotonic() - started < 3.0
+
+
+# -- start_requests ------------------------------------------------------------------------
+def test_start_requests_body_and_headers(peer: HttpPeer, client: ImdsClient) -> None:
+    client.start_requests(["A-1", "B-2"], incarnation=3)
+    client.start_requests(("C-3",))
+    first, second = peer.requests
+    assert first.method == "POST" and first.path == EVENTS and first.raw_query == f"api-version={VERSION}"
+    assert first.header("Metadata") == "true" and first.header("X-Forwarded-For") is None
+    assert first.header("Content-Type") == "application/json"
+    assert first.json() == {"StartRequests": [{"EventId": "A-1"}, {"EventId": "B-2"}], "DocumentIncarnation": 3}
+    assert second.json() == {"StartRequests": [{"EventId": "C-3"}]}
+
+
+def test_start_requests_with_no_ids_sends_nothing(peer: HttpPeer, client: ImdsClient) -> None:
+    client.start_requests([])
+    with pytest.raises(TypeError):
+        client.start_requests("A-1")  # a bare string would approve "A", "-", "1"
+    assert peer.requests == []
+
+
+def test_start_requests_retries_500_then_429_honouring_retry_after(peer: HttpPeer, client: ImdsClient) -> None:
+    peer.queue(Response(500, body=b"boom"), Response(429, {"Retry-After": "1"}), Response(200))
+    client.start_requests(["E1"])
+    reqs = peer.requests
+    assert [r.method for r in reqs] == ["POST"] * 3
+    assert all(r.json() == {"StartRequests": [{"EventId": "E1"}]} for r in reqs)
+    assert reqs[1].received_at - reqs[0].received_at < 0.9  # jittered tiny backoff after the 500
+    assert reqs[2].received_at - reqs[1].received_at >= 0.95  # Retry-After: 1 honoured
+
+
+def test_retry_after_is_capped_by_the_backoff_policy(peer: HttpPeer) -> None:
+    peer.queue(Response(503, {"Retry-After": "3600"}), Response(200))
+    policy = Backoff(initial=0.01, maximum=0.02, retry_after_cap=0.1)
+    with ImdsClient(peer.url, VERSION, backoff=policy) as c:
+        started = time.monotonic()
+        c.start_requests(["E1"])
+        assert time.monotonic() - started < 3.0
+    assert len(peer.requests) == 2
+
+
+def test_start_requests_400_is_not_retried(peer: HttpPeer, client: ImdsClient) -> None:
+    peer.queue(Response(400, body=b'{"error":"Bad Request","message":"Invalid EventId"}'))
+    with pytest.raises(ImdsError) as info:
+        client.start_requests(["nope"])
+    assert info.value.status == 400 and not info.value.retryable
+    assert "Invalid EventId" in str(info.value) and "POST" in str(info.value)
+    assert len(peer.requests) == 1
+
+
+def test_410_is_retried_within_its_window_then_succeeds(peer: HttpPeer, client: ImdsClient) -> None:
+    peer.queue(Response(410), Response(410), Response(200))
+    client.start_requests(["E1"])
+    assert len(peer.requests) == 3
+
+
+def test_410_gives_up_after_its_window(peer: HttpPeer) -> None:
+    peer.default = Response(410, body=b"gone")
+    with ImdsClient(peer.url, VERSION, backoff=Backoff(initial=0.05, maximum=0.1), gone_window=0.5,
+                    retry_deadline=30) as c:
+        started = time.monotonic()
+        with pytest.raises(ImdsError, match="giving up") as info:
+            c.start_requests(["E1"])
+        assert time.monotonic() - started < 3.0
+    assert info.value.status == 410
+    assert len(peer.requests) >= 2
+
+
+def test_overall_deadline_bounds_the_retry_loop(peer: HttpPeer, client: ImdsClient) -> None:
+    peer.default = Response(500, body=b"down")
+    started = time.monotonic()
+    with pytest.raises(ImdsError, match="giving up") as info:
+        client.start_requests(["E1"], deadline=0.4)
+    assert time.monotonic() - started < 3.0
+    assert info.value.status == 500 and "down" in str(info.value)
+    assert len(peer.requests) >= 2
+
+
+def test_stop_event_aborts_a_retry_loop_promptly(peer: HttpPeer) -> None:
+    peer.default = Response(503, {"Retry-After": "30"})
+    stop = threading.Event()
+    with ImdsClient(peer.url, VERSION, backoff=FAST, stop=stop) as c:
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def approve() -> None:
+            try:
+                c.start_requests(["E1"])
+            except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+                errors.append(exc)
+            done.set()
+
+        worker = threading.Thread(target=approve, daemon=True)
+        worker.start()
+        peer.wait_for(1)
+        stop.set()
+        started = time.monotonic()
+        assert done.wait(5.0), "retry loop ignored the stop event"
+        assert time.monotonic() - started < 2.0
+    (err,) = errors
+    assert isinstance(err, ImdsError) and "stopped" in str(err)
+    assert len(peer.requests) == 1
+
+
+# -- compute -------------------------------------------------------------------------------
+COMPUTE_DOC = {
+    "vmId": "02aab8a4-74ef-476e-8182-f6d2ba4166a6",
+    "name": "web_3",
+    "location": "norwayeast",
+    "zone": "",
+    "vmScaleSetName": "web",
+    "osProfile": {"computerName": "web000003", "adminUsername": "azureuser"},
+    "tagsList": [{"name": "env", "value": "prod"}],
+}
+
+
+def test_compute_is_parsed_and_retried(peer: HttpPeer, client: ImdsClient) -> None:
+    peer.queue(Response(500), Response(429), Response(200, body=COMPUTE_DOC), path=COMPUTE)
+    assert client.compute() == COMPUTE_DOC
+    reqs = peer.requests
+    assert [r.path for r in reqs] == [COMPUTE] * 3
+    assert all(r.method == "GET" and r.raw_query == "api-version=2021-02-01" for r in reqs)
+    assert all(r.header("Metadata") == "true" for r in reqs)
+
+
+@pytest.mark.parametrize("body", [b"<html>not json</html>", b'["a list"]'])
+def test_compute_rejects_what_is_not_a_json_object(peer: HttpPeer, client: ImdsClient, body: bytes) -> None:
+    peer.queue(Response(200, body=body), path=COMPUTE)
+    with pytest.raises(ImdsError, match="compute") as info:
+        client.compute()
+    assert not info.value.retryable
+    assert len(peer.requests) == 1
+
+
+def test_compute_404_is_not_retried(peer: HttpPeer, client: ImdsClient) -> None:
+    peer.queue(Response(404, body=b"no such path"), path=COMPUTE)
+    with pytest.raises(ImdsError, match="404") as info:
+        client.compute()
+    assert not info.value.retryable
+    assert len(peer.requests) == 1
