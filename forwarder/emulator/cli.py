@@ -1,0 +1,205 @@
+"""``sefwd emulator``: run the IMDS emulator, list scenarios, or drive a running one (``ctl``)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import urllib.error
+import urllib.request
+from typing import Any
+
+import orjson
+
+from forwarder.errors import ConfigError, ForwarderError
+from forwarder.units import parse_duration
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LISTEN = "127.0.0.1:8169"
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``emulator`` subcommand (and its ``ctl`` client) to an argparse subparsers object."""
+    p = subparsers.add_parser(
+        "emulator", help="run the Azure IMDS emulator (Scheduled Events, instance compute, managed identity)",
+        description="Serve a faithful IMDS on loopback. The default VM is at the root; every VM also at /vm/<name>.",
+    )
+    p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
+                   help=f"address to bind (default {DEFAULT_LISTEN}; port 0 picks a free one)")
+    p.add_argument("--allow-remote", action="store_true",
+                   help="allow a non-loopback --listen address (the emulator has no authentication)")
+    p.add_argument("--scenario", metavar="NAME|FILE", help="built-in scenario name or scenario TOML file")
+    p.add_argument("--list-scenarios", action="store_true", help="print the built-in scenarios and exit")
+    p.add_argument("--vm", action="append", dest="vms", metavar="NAME",
+                   help="an emulated VM (repeatable; the first is the default VM at the root prefix)")
+    p.add_argument("--rate-limit", type=float, default=5, metavar="N",
+                   help="requests per second per VM before 429 (default 5; 0 disables)")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="F",
+                   help="multiply every real-time delay of the timeline (0.5 runs twice as fast)")
+    p.add_argument("--first-call-delay", default=None, metavar="DURATION",
+                   help='delay of the first Scheduled Events call per VM (real IMDS: up to "2m"; default 0)')
+    p.add_argument("--terminate-notice", default=None, metavar="DURATION",
+                   help='NotBefore notice of Terminate events (5m to 15m; default "5m")')
+    p.add_argument("--etag", action="store_true", help="send ETag and answer If-None-Match with 304")
+    p.add_argument("--exit-when-finished", action="store_true",
+                   help="exit 0 once the scenario's last step ran and its events are gone")
+    csub = p.add_subparsers(dest="emulator_command", metavar="ctl")
+    c = csub.add_parser("ctl", help="control a running emulator through its /_emulator/ API")
+    c.add_argument("url", help="base URL of the emulator, e.g. http://127.0.0.1:8169")
+    actions = c.add_subparsers(dest="ctl_action", metavar="ACTION")
+    actions.required = True
+    actions.add_parser("state", help="print events, incarnation and counters as JSON")
+    s = actions.add_parser("schedule", help="add an event")
+    s.add_argument("--type", default="Reboot", choices=["Freeze", "Reboot", "Redeploy", "Preempt", "Terminate"])
+    s.add_argument("--id", help="EventId (default: a new GUID)")
+    s.add_argument("--source", choices=["Platform", "User"])
+    s.add_argument("--description")
+    s.add_argument("--duration", type=int, help="DurationInSeconds (-1 unknown)")
+    s.add_argument("--resources", nargs="+", metavar="VM", help="VM names in Resources")
+    s.add_argument("--not-before", help='RFC 1123 / ISO time, or "+15m" from now')
+    s.add_argument("--start-after", help='auto-start after this real delay (default: at NotBefore)')
+    s.add_argument("--complete-after", help="remove this long after Started")
+    s.add_argument("--started", action="store_true", help="appear already Started (hardware failure)")
+    for action in ("start", "cancel", "complete"):
+        a = actions.add_parser(action, help=f"{action} an event now")
+        a.add_argument("event_id")
+    u = actions.add_parser("update", help="change fields of an event")
+    u.add_argument("event_id")
+    u.add_argument("--description")
+    u.add_argument("--duration", type=int)
+    u.add_argument("--resources", nargs="+", metavar="VM")
+    u.add_argument("--not-before")
+    u.add_argument("--start-after")
+    f = actions.add_parser("fault", help="inject a fault")
+    f.add_argument("kind", choices=["status", "slow", "hang", "drop", "malformed", "html"])
+    f.add_argument("--count", type=int, default=1)
+    f.add_argument("--status", type=int)
+    f.add_argument("--retry-after")
+    f.add_argument("--delay")
+    f.add_argument("--vm")
+    f.add_argument("--path", default="scheduledevents")
+    f.add_argument("--method")
+    actions.add_parser("reset", help="drop events, faults and counters")
+    sc = actions.add_parser("scenario", help="run a scenario (built-in name or a file on the emulator's host)")
+    sc.add_argument("name")
+
+
+def _split_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConfigError([f"--listen must be HOST:PORT, got {listen!r}"])
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def _setup_logging(level_name: str | None) -> None:
+    level = getattr(logging, (level_name or "info").upper(), logging.INFO)
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(stream=sys.stderr, level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    else:
+        root.setLevel(level)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``sefwd emulator``; returns the exit code."""
+    if getattr(args, "emulator_command", None) == "ctl":
+        return _ctl(args)
+    from forwarder.emulator.scenario import builtin_scenarios, load_scenario
+    from forwarder.emulator.server import Emulator, is_loopback
+
+    if args.list_scenarios:
+        for name in builtin_scenarios():
+            print(f"{name:26} {load_scenario(name).description}")
+        return 0
+    host, port = _split_listen(args.listen)
+    if not is_loopback(host) and not args.allow_remote:
+        raise ConfigError([f"--listen {args.listen} is not a loopback address: add --allow-remote to expose "
+                           "the emulator (it has no authentication) to the network"])
+    problems = []
+    timings: dict[str, float | None] = {}
+    for key in ("first_call_delay", "terminate_notice"):
+        value = getattr(args, key)
+        try:
+            timings[key] = parse_duration(value) if value is not None else None
+        except ValueError as exc:
+            problems.append(f"--{key.replace('_', '-')}: {exc}")
+    if problems:
+        raise ConfigError(problems)
+    _setup_logging(getattr(args, "log_level", None))
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        emulator = Emulator(host, port, scenario=args.scenario, vms=args.vms, rate_limit=args.rate_limit or None,
+                            time_scale=args.time_scale, first_call_delay=timings["first_call_delay"],
+                            terminate_notice=timings["terminate_notice"], etag=args.etag)
+        with emulator:
+            print(f"IMDS emulator at {emulator.url} (default VM {emulator.default_vm}; "
+                  f"others at {emulator.url}/vm/<name>; control API {emulator.url}/_emulator/state)",
+                  file=sys.stderr, flush=True)
+            while not stop.is_set():
+                if args.exit_when_finished and emulator.finished.is_set():
+                    log.info("scenario finished, exiting")
+                    break
+                stop.wait(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _ctl_request(base: str, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    data = orjson.dumps(body) if body is not None else None
+    req = urllib.request.Request(base.rstrip("/") + "/_emulator/" + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never through a proxy
+    try:
+        with opener.open(req, timeout=10) as resp:
+            return resp.status, orjson.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        payload = exc.read()
+        try:
+            return exc.code, orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            return exc.code, {"error": payload.decode(errors="replace")}
+    except (urllib.error.URLError, OSError) as exc:
+        raise ForwarderError(f"emulator at {base} not reachable: {exc}") from None
+
+
+def _ctl(args: argparse.Namespace) -> int:
+    action = args.ctl_action
+    if action == "state":
+        status, out = _ctl_request(args.url, "GET", "state")
+    elif action == "schedule":
+        spec = {k: v for k, v in {
+            "id": args.id, "type": args.type, "source": args.source, "description": args.description,
+            "duration": args.duration, "resources": args.resources, "not_before": args.not_before,
+            "start_after": args.start_after, "complete_after": args.complete_after,
+            "status": "Started" if args.started else None,
+        }.items() if v is not None}
+        status, out = _ctl_request(args.url, "POST", "events", spec)
+    elif action in ("start", "cancel", "complete"):
+        status, out = _ctl_request(args.url, "POST", f"events/{args.event_id}/{action}", {})
+    elif action == "update":
+        fields = {k: v for k, v in {
+            "description": args.description, "duration": args.duration, "resources": args.resources,
+            "not_before": args.not_before, "start_after": args.start_after,
+        }.items() if v is not None}
+        status, out = _ctl_request(args.url, "POST", f"events/{args.event_id}/update", fields)
+    elif action == "fault":
+        spec = {k: v for k, v in {
+            "kind": args.kind, "count": args.count, "status": args.status, "retry_after": args.retry_after,
+            "delay": args.delay, "vm": args.vm, "path": args.path, "method": args.method,
+        }.items() if v is not None}
+        status, out = _ctl_request(args.url, "POST", "faults", spec)
+    elif action == "reset":
+        status, out = _ctl_request(args.url, "POST", "reset", {})
+    else:
+        status, out = _ctl_request(args.url, "POST", "scenario", {"name": args.name})
+    sys.stdout.write(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode() + "\n")
+    return 0 if status < 400 else 1
