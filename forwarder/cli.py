@@ -99,6 +99,8 @@ def _install_signals(stop: threading.Event) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit must be an EFBIG we handle, not a silent death
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -201,6 +201,9 @@ class Dispatcher:
             "sinks": sinks,
         }
 
+    def position(self) -> int:
+        return self.journal.next_index
+
     def close(self, drain_timeout: float) -> None:
         """Let sinks drain for up to ``drain_timeout`` seconds, then stop them; cursors are flushed."""
         for w in self.workers.values():

@@ -18,6 +18,7 @@ from forwarder.imds import ImdsClient
 from forwarder.logutil import RateLimitedLog
 from forwarder.records import RecordFactory, utcnow
 from forwarder.retry import Backoff
+from forwarder.sinkapi import Record
 from forwarder.state import AgentState, StateStore
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,8 @@ class Poller:
     # -- one cycle -------------------------------------------------------------------------
     def poll_once(self) -> float:
         """One poll; returns how long to wait before the next one."""
+        if self.state.pending:
+            self.flush_pending()
         try:
             fetch = self.imds.scheduled_events()
         except ImdsError as exc:
@@ -117,8 +120,15 @@ class Poller:
         self._notify()
         return self.poll_interval
 
-    def _emit(self, build: Callable[[], list], *, document: Document | None = None, body: bytes | None = None) -> bool:
-        """Records to the outbox, then commit state; on failure roll the sequence back and retry later."""
+    def _emit(self, build: Callable[[], list[Record]], *, document: Document | None = None, body: bytes | None = None) -> bool:
+        """Commit the new state with its records as a write-ahead, then journal them.
+
+        The records are saved in ``state.json`` together with the document they came from, so a
+        crash or a full disk between the two steps re-journals exactly the same bytes (same ids,
+        same times, same sequence numbers) instead of deriving them again from a later document.
+        """
+        if not self.flush_pending():
+            return False  # keep order: nothing new until the older records are in the journal
         sequence_before = self.factory.sequence
         records = build()
         new_state = AgentState(
@@ -126,21 +136,39 @@ class Poller:
             document=body.decode() if body is not None else self.state.document,
             api_version=self.factory.api_version,
             vm=self.factory.vm.to_dict(),
+            pending=[r.body.decode() for r in records],
+            pending_index=self.outbox.position(),
         )
         try:
-            if records:
-                self.outbox.append(records)
             self.store.save(new_state)
         except (OSError, ForwarderError) as exc:
             self.factory.sequence = sequence_before
             self.stats.outbox_errors += 1
-            self._errors.log(logging.ERROR, "outbox", "could not make records durable, will retry: %s", exc)
+            self._errors.log(logging.ERROR, "outbox", "could not save state, will retry: %s", exc)
             return False
-        self._errors.clear("outbox")
         self.state = new_state
         if body is not None:
             self._last_body = body
             self.current = document
+        self.flush_pending()
+        return True
+
+    def flush_pending(self) -> bool:
+        """Journal the records of the last commit if they are not there yet (startup, after ENOSPC)."""
+        state = self.state
+        if not state.pending:
+            return True
+        if state.pending_index is not None and self.outbox.position() > state.pending_index:
+            state.pending = []  # a previous run journaled them before it stopped
+            return True
+        try:
+            self.outbox.append([Record.from_body(b.encode()) for b in state.pending])
+        except (OSError, ForwarderError) as exc:
+            self.stats.outbox_errors += 1
+            self._errors.log(logging.ERROR, "outbox", "could not journal %d record(s), will retry: %s", len(state.pending), exc)
+            return False
+        self._errors.clear("outbox")
+        state.pending = []  # on disk it is cleared by the next save; the index check covers a restart
         return True
 
     def _failed(self, exc: ImdsError) -> float:

@@ -127,6 +127,7 @@ class Agent:
                     compute_refresh=cfg.imds.compute_refresh,
                     stop=self.stop,
                 )
+                poller.flush_pending()  # records of a commit interrupted by a crash or a full disk
                 log.info(
                     "sefwd %s started: VM %s, IMDS %s (api-version %s, every %.3gs), state %s, sinks %s",
                     __version__, vm.source, cfg.imds.endpoint, cfg.imds.api_version,

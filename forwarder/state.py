@@ -27,6 +27,9 @@ class AgentState:
     api_version: str | None = None
     vm: dict[str, str] = field(default_factory=dict)
     saved_at: float | None = None
+    # Write-ahead: records of the last commit and the journal index they start at.
+    pending: list[str] = field(default_factory=list)
+    pending_index: int | None = None
 
     def to_json(self) -> bytes:
         return orjson.dumps(
@@ -37,6 +40,8 @@ class AgentState:
                 "api_version": self.api_version,
                 "vm": self.vm,
                 "saved_at": self.saved_at,
+                "pending": self.pending,
+                "pending_index": self.pending_index,
             }
         )
 
@@ -124,6 +129,8 @@ class StateStore:
                 api_version=obj.get("api_version"),
                 vm=dict(obj.get("vm") or {}),
                 saved_at=obj.get("saved_at"),
+                pending=[str(b) for b in obj.get("pending") or []],
+                pending_index=obj.get("pending_index"),
             )
             if state.document is not None and not isinstance(state.document, str):
                 raise ValueError("document is not a string")

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +51,8 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
 
 
 class AgentProcess:
-    """``sefwd run`` in a subprocess, logs to a file so a pipe never blocks it."""
+    """``sefwd run`` in a subprocess; stderr is drained by a thread (a pipe, so file-size limits
+    set on the agent in tests do not silence its logs), and also copied to ``log``."""
 
     def __init__(self, config: Path, log: Path, *, env: dict[str, str] | None = None, args: tuple[str, ...] = ("run",)) -> None:
         self.config = config
@@ -59,26 +61,35 @@ class AgentProcess:
         full_env.update(env or {})
         full_env["PYTHONPATH"] = str(ROOT)
         self._log_fh = open(log, "ab")
+        self._chunks: list[bytes] = []
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "forwarder", *args, "--config", str(config)],
             stdout=subprocess.DEVNULL if "run" in args else subprocess.PIPE,
-            stderr=self._log_fh, env=full_env, cwd=str(ROOT),
+            stderr=subprocess.PIPE, env=full_env, cwd=str(ROOT),
         )
+        self._drain = threading.Thread(target=self._read_stderr, daemon=True)
+        self._drain.start()
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in iter(self.proc.stderr.readline, b""):
+            self._chunks.append(line)
+            self._log_fh.write(line)
+            self._log_fh.flush()
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(30)
-        self._log_fh.close()
+        self._drain.join(10)
 
     def terminate(self, timeout: float = 60) -> int:
         self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout)
-        finally:
-            self._log_fh.close()
+        rc = self.proc.wait(timeout)
+        self._drain.join(10)
+        return rc
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def logs(self) -> str:
-        return self.log.read_text(errors="replace")
+        return b"".join(self._chunks).decode(errors="replace")
