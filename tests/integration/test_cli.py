@@ -1,0 +1,111 @@
+"""The `sefwd` command line, run as a real subprocess."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+
+import orjson
+
+from forwarder.deadletter import DeadLetters
+from forwarder.emulator import Emulator
+from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
+from tests.peers.webhook_receiver import WebhookReceiver
+
+
+def sefwd(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SEFWD_")}
+    full_env.update(env or {})
+    full_env["PYTHONPATH"] = str(ROOT)
+    return subprocess.run([sys.executable, "-m", "forwarder", *args], capture_output=True, text=True,
+                          timeout=timeout, env=full_env, cwd=str(ROOT))
+
+
+def test_demo_prints_scheduled_started_completed_on_stdout_only():
+    done = sefwd("demo", "--json", timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [orjson.loads(line) for line in done.stdout.splitlines()]
+    types = [r["type"] for r in records]
+    for t in ("scheduledevent.scheduled", "scheduledevent.started", "scheduledevent.completed", "scheduledevent.canceled"):
+        assert t in types
+    assert types[0] == "forwarder.started" and types[-1] == "forwarder.stopped"
+    assert "sefwd demo" in done.stderr  # logs and banners go to stderr, never stdout
+
+
+def test_config_example_is_valid_and_check_lists_every_problem(tmp_path):
+    example = sefwd("config", "example")
+    assert example.returncode == 0
+    data = tomllib.loads(example.stdout)
+    assert {"imds", "state", "agent", "journal", "delivery", "sinks"} <= set(data)
+    path = tmp_path / "c.toml"
+    path.write_text(example.stdout.replace("/var/lib/sefwd", str(tmp_path / "state")))
+    ok = sefwd("config", "check", "--config", str(path))
+    assert ok.returncode == 0, ok.stderr
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[imds]\npoll_interval = "fast"\napi_version = "2099-01-01"\nfoo = 1\n[[sinks]]\ntype = "nope"\n')
+    res = sefwd("config", "check", "--config", str(bad))
+    assert res.returncode == 2
+    for needle in ("poll_interval", "api_version", "foo", "nope"):
+        assert needle in res.stderr
+
+
+def test_once_prints_current_events_and_exit_codes(tmp_path):
+    with Emulator(vms=["myVM"], rate_limit=None) as emu:
+        event_id = emu.schedule(type="Freeze", resources=["myVM"], duration=5, start_after=600)
+        config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state")
+        res = sefwd("once", "--config", str(config))
+        assert res.returncode == 0, res.stderr
+        (record,) = [orjson.loads(line) for line in res.stdout.splitlines()]
+        assert record["subject"] == event_id and record["data"]["Initial"] is True
+        assert not (tmp_path / "state" / "state.json").exists()  # once changes no state
+        emu.inject_fault("malformed")
+        assert sefwd("once", "--config", str(config)).returncode == 3
+    dead = write_config(tmp_path / "d.toml", "http://127.0.0.1:9", tmp_path / "state")
+    res = sefwd("once", "--config", str(dead))
+    assert res.returncode == 1 and "not reachable" in res.stderr
+
+
+def test_status_deadletter_list_and_replay(tmp_path):
+    with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=400) as rx:
+        sinks = (f'[[sinks]]\ntype = "file"\nname = "file"\npath = "{tmp_path / "out.jsonl"}"\n'
+                 f'[[sinks]]\ntype = "webhook"\nname = "hook"\nurl = "{rx.url}"\n')
+        config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state", sinks=sinks)
+        agent = AgentProcess(config, tmp_path / "a.log")
+        event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
+        dead = DeadLetters(tmp_path / "state" / "deadletter", "hook")
+        wait_until(lambda: any(d.record.to_dict().get("subject") == event_id for d in dead), 60, "dead letter")
+        wait_until(lambda: (tmp_path / "state" / "status.json").exists(), 30, "status report")
+        status = sefwd("status", "--config", str(config), "--json")
+        assert status.returncode == 0
+        st = orjson.loads(status.stdout)
+        assert st["running"] is True and st["dead_letters"]["hook"] >= 2
+        assert [e["EventId"] for e in st["current_events"]] == [event_id]
+        human = sefwd("status", "--config", str(config))
+        assert "sink hook" in human.stdout and event_id in human.stdout
+        assert agent.terminate() == 0
+        listed = sefwd("deadletter", "list", "hook", "--config", str(config), "--json")
+        rows = [orjson.loads(line) for line in listed.stdout.splitlines()]
+        assert rows and all(r["reason"] == "http_400" for r in rows)
+        rx.set_policy(200)
+        rx.clear()
+        replay = sefwd("deadletter", "replay", "hook", "--config", str(config))
+        assert replay.returncode == 0, replay.stderr
+        assert f"replayed {len(rows)}" in replay.stderr
+        got = {r.json()["id"] for r in rx.wait_for(len(rows), 10)}
+        assert got == {r["record"]["id"] for r in rows}
+        assert dead.count() == 0
+
+
+def test_heartbeats_are_emitted(tmp_path):
+    with Emulator(vms=["myVM"]) as emu:
+        config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state",
+                              extra="")
+        text = config.read_text().replace('heartbeat = "0"', 'heartbeat = "1s"')
+        config.write_text(text)
+        agent = AgentProcess(config, tmp_path / "a.log")
+        out = tmp_path / "out.jsonl"
+        beats = wait_until(lambda: [r for r in read_jsonl(out) if r["type"] == "forwarder.heartbeat"][1:], 60, "two heartbeats")
+        assert agent.terminate() == 0
+    data = beats[0]["data"]
+    assert data["Polls"] > 0 and data["LastPollOk"] and data["Vm"]["Name"] == "myVM"
