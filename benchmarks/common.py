@@ -1,0 +1,114 @@
+"""Shared pieces: sizes per mode, realistic records, machine info, result shaping."""
+from __future__ import annotations
+
+import os
+import platform
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from forwarder.sinkapi import Record
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much work each benchmark does; one instance per mode."""
+
+    name: str
+    poll_interval: float  # seconds; the agent's configured minimum is 200 ms
+    poll_warmup: float
+    poll_window: float
+    journal_records: int  # batched appends and drains
+    journal_single: int  # single-record appends (one fsync each)
+    pq_records: int  # persist-queue puts (one transaction each)
+    backlog_records: int
+    backlog_single: int  # records for the batch_size 1 run (0: skipped)
+
+
+MODES = {
+    "full": Sizes("full", 0.2, 10.0, 90.0, 100_000, 2_000, 5_000, 100_000, 100_000),
+    "quick": Sizes("quick", 0.2, 5.0, 20.0, 20_000, 500, 1_000, 100_000, 5_000),
+    "smoke": Sizes("smoke", 0.2, 1.0, 2.0, 500, 20, 50, 500, 50),
+}
+
+
+def sample_event(n: int) -> dict[str, Any]:
+    """A `scheduledevent.scheduled` CloudEvent shaped like the agent's own (from `sefwd demo --json`)."""
+    rid = "/subscriptions/8d10da13-8125-4ba9-a717-bf7490507b3d/resourceGroups/myResourceGroup/providers/Microsoft.Compute/virtualMachines/web-vm-0"
+    event_id = str(uuid.UUID(int=0xD3E0F5A7_0001_4C5D_9E8F_000000000000 + n)).upper()
+    return {
+        "specversion": "1.0",
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"bench/{n}")),
+        "source": rid,
+        "type": "scheduledevent.scheduled",
+        "subject": event_id,
+        "time": "2026-11-22T07:19:18.864Z",
+        "datacontenttype": "application/json",
+        "sequence": f"{n + 2:020d}",
+        "data": {
+            "EventId": event_id, "EventType": "Freeze", "ResourceType": "VirtualMachine",
+            "Resources": ["web-vm-0", "web-vm-1"], "EventStatus": "Scheduled",
+            "NotBefore": "2026-11-22T07:34:18.000Z", "NotBeforeRaw": "Sun, 22 Nov 2026 07:34:18 GMT",
+            "Description": "Virtual machine is being paused because of a memory-preserving Live Migration operation.",
+            "EventSource": "Platform", "DurationInSeconds": 5, "Change": "scheduled", "PreviousStatus": None,
+            "ChangedFields": [], "RemovalReason": None, "Initial": False, "DocumentIncarnation": n + 2,
+            "AffectsThisVm": True, "ApiVersion": "2020-07-01",
+            "Vm": {
+                "VmId": "265801e3-a918-5509-ad1a-0e6728a3b28b", "Name": "web-vm-0", "ComputerName": "web-vm-0",
+                "ResourceId": rid, "SubscriptionId": "8d10da13-8125-4ba9-a717-bf7490507b3d",
+                "ResourceGroupName": "myResourceGroup", "Location": "norwayeast", "Zone": "", "VmScaleSetName": "",
+            },
+            "Extra": {},
+        },
+        "eventkey": f"{event_id}:scheduled",
+    }
+
+
+def sample_records(count: int) -> list[Record]:
+    return [Record.from_dict(sample_event(i)) for i in range(count)]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "cpu_model": cpu_model(),
+        "nproc": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+@contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A temporary directory on the same disk as the results (so fsync hits that disk)."""
+    base = RESULTS / "tmp"
+    base.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=base) as d:
+        yield Path(d)
+
+
+def goal(text: str, ok: bool) -> dict[str, Any]:
+    return {"goal": text, "pass": bool(ok)}
+
+
+def result(figures: dict[str, Any], goals: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"figures": figures, "goals": goals, "pass": all(g["pass"] for g in goals)}
