@@ -214,7 +214,7 @@ class ImdsClient:
     def _send(self, method: str, url: str, read_timeout: float, **kwargs: Any) -> requests.Response:
         try:
             return self._session.request(method, url, timeout=(self.connect_timeout, read_timeout),
-                                         proxies=self._no_proxy, allow_redirects=False, **kwargs)
+                                         proxies=self._no_proxy, allow_redirects=False, **kwargs)  # type: ignore[arg-type]
         except requests.exceptions.ConnectTimeout:
             raise ImdsError(f"IMDS {method} {url}: connect timed out after {self.connect_timeout:g}s",
                             status=None, retryable=True) from None

@@ -234,7 +234,7 @@ class Journal:
             except OSError as exc:
                 self.stats.append_failures += 1
                 self._undo(size_before)
-                reason = {errno.ENOSPC: "disk full", errno.EFBIG: "file too large", errno.EDQUOT: "quota exceeded"}.get(exc.errno, exc.strerror or str(exc))
+                reason = {errno.ENOSPC: "disk full", errno.EFBIG: "file too large", errno.EDQUOT: "quota exceeded"}.get(exc.errno or 0, exc.strerror or str(exc))
                 raise JournalError(f"cannot append to the journal in {self.dir}: {reason}") from None
             self._sizes[base] = size_before + len(data)
             self.next_index = first + len(bodies)

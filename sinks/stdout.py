@@ -192,7 +192,7 @@ def _real_stdout() -> BinaryIO | None:
     out = sys.stdout
     if out is None:
         return None
-    return getattr(out, "buffer", None) or _TextAdapter(out)
+    return getattr(out, "buffer", None) or _TextAdapter(out)  # type: ignore[return-value]
 
 
 class _TextAdapter:

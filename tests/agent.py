@@ -38,6 +38,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in data.split(b"\n")[:-1] if line.strip()]
 
 
+def poll_until(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.02) -> Any:
+    """Poll until ``predicate`` is truthy or the deadline passes; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll until ``predicate`` returns something truthy, or fail with ``what``."""
     deadline = time.monotonic() + timeout

@@ -1,6 +1,8 @@
 """The emulated platform: events, DocumentIncarnation, VMs, counters and the timeline thread."""
 from __future__ import annotations
 
+import functools
+
 import heapq
 import itertools
 import logging
@@ -327,7 +329,7 @@ class Platform:
             for vm in scenario.vms:
                 self.vms.setdefault(vm.name, vm)
             for step in scenario.steps:
-                self.timeline.call_later(step.at * self.time_scale, lambda s=step: self._run_step(s, gen))
+                self.timeline.call_later(step.at * self.time_scale, functools.partial(self._run_step, step, gen))
             self._check_finished()
 
     def _run_step(self, step: Step, gen: int) -> None:

@@ -73,6 +73,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "sefwd-imds-emulator"
     sys_version = ""
     timeout = 60
+    _count_ctx: tuple[str, str, str] | None = None  # (vm, method, endpoint) of the request being served
     server: _Server
 
     def setup(self) -> None:
@@ -141,9 +142,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _record(self, status: int | str) -> None:
         # Counted before the answer leaves, so a client that got it always finds it in stats().
-        ctx, self._count_ctx = getattr(self, "_count_ctx", None), None
+        ctx, self._count_ctx = self._count_ctx, None
         if ctx is not None:
-            self.server.emulator.platform.count(*ctx, status)
+            vm, method, endpoint = ctx
+            self.server.emulator.platform.count(vm, method, endpoint, status)
 
     def _error(self, status: int, message: str, **extra: Any) -> None:
         self._send(status, _json({"error": message, **extra}))
@@ -165,7 +167,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch_checked(self, method: str) -> None:
         emu = self.server.emulator
-        self._count_ctx: tuple[str, str, str] | None = None
+        self._count_ctx = None
         body = self._read_body()
         url = urlsplit(self.path)
         path = url.path

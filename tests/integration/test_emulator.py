@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from email.utils import parsedate_to_datetime
 from typing import Any
 
 import pytest
+
+from tests.agent import poll_until as wait_until
 import requests
 
 from forwarder.emulator import SE_VERSIONS, Emulator
@@ -25,15 +26,6 @@ RFC1123 = re.compile(r"^(Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d{2} (Jan|Feb|Mar|Apr|Ma
                      r"\d{2}:\d{2}:\d{2} GMT$")
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.02) -> Any:
-    """Poll until predicate() is truthy or the deadline passes; returns its last value."""
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        pause.wait(interval)
 
 
 @pytest.fixture

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
+
+from tests.agent import poll_until as wait_until
 import requests
 
 from forwarder.emulator import Emulator, SpecError
@@ -16,15 +17,6 @@ H = {"Metadata": "true"}
 P = {"api-version": "2020-07-01"}
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.02) -> Any:
-    """Poll until predicate() is truthy or the deadline passes; returns its last value."""
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        pause.wait(interval)
 
 
 @pytest.fixture

@@ -10,11 +10,13 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.agent import poll_until as wait_until
 import requests
 
 from forwarder.emulator import Emulator, ScenarioError, builtin_scenarios, load_scenario
@@ -30,15 +32,6 @@ BUILTINS = {
 }
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.02) -> Any:
-    """Poll until predicate() is truthy or the deadline passes; returns its last value."""
-    deadline = time.monotonic() + timeout
-    pause = threading.Event()
-    while True:
-        value = predicate()
-        if value or time.monotonic() > deadline:
-            return value
-        pause.wait(interval)
 
 
 def session() -> requests.Session:

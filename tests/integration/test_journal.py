@@ -1,7 +1,6 @@
 """The journal on a real filesystem: group commit, cursors, damage recovery, full disk."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -9,7 +8,7 @@ import textwrap
 import orjson
 import pytest
 
-from forwarder.journal import MAGIC, Journal, JournalError
+from forwarder.journal import MAGIC, Journal
 
 
 def bodies(n, start=0):

@@ -5,7 +5,6 @@ test then asserts the exact sequence of record types and the key fields of its s
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 

@@ -6,7 +6,7 @@ import signal
 import time
 
 from forwarder.emulator import Emulator
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.agent import AgentProcess, read_jsonl, wait_until
 from tests.peers.webhook_receiver import Reply, WebhookReceiver
 
 
