@@ -57,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_emulator(sub)
 
+    p = sub.add_parser("approve", help="approve events now (POST StartRequests to IMDS), audited")
+    _add_config_arg(p)
+    p.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
+    p.add_argument("--reason", help="why (kept in the audit record)")
+    p.add_argument("--scope", choices=("self", "leader", "any", "self_or_leader"),
+                   help="override [approval] scope for this approval (say 'any' to approve an event of several VMs from a non-leader)")
+    p.add_argument("--json", action="store_true", help="print the outcome as JSON")
+
     p = sub.add_parser("status", help="backlog, dead letters and last poll per sink, current events")
     _add_config_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -175,8 +183,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     _install_signals(stop)
     with tempfile.TemporaryDirectory(prefix="sefwd-demo-") as tmp, Emulator(scenario=scenario) as emulator:
         sinks = config.sinks if args.config else (SinkConfig(type="stdout", name="stdout", options={}),)
+        approval = config.approval
+        if not approval.rules:
+            from forwarder.approval.policy import DEMO_RULES
+
+            approval = dataclasses.replace(approval, rules=DEMO_RULES)
         config = dataclasses.replace(
             config,
+            approval=approval,
             imds=dataclasses.replace(config.imds, endpoint=emulator.url, poll_interval=0.5, first_call_timeout=10.0),
             state=dataclasses.replace(config.state, dir=Path(tmp) / "state"),
             agent=dataclasses.replace(config.agent, heartbeat=0.0),
@@ -197,6 +211,54 @@ def cmd_demo(args: argparse.Namespace) -> int:
             print("sefwd demo: the scenario did not finish in time", file=sys.stderr)
             return EXIT_FAILURE
         return result.get("rc", EXIT_FAILURE)
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    import getpass
+    import uuid
+
+    import orjson
+
+    from forwarder.approval.approver import APPROVED, Approver
+    from forwarder.config import load_config
+    from forwarder.imds import ImdsClient
+    from forwarder.service import SPOOL_DIR, resolve_identity
+    from forwarder.state import AgentState, StateStore, atomic_write
+
+    config = load_config(args.config)
+    _setup_logging(args, config.agent.log_level)
+    spool = config.state.dir / SPOOL_DIR
+
+    def audit(entry: dict[str, object]) -> None:
+        # The running agent journals spooled entries; with no agent running, the next start does.
+        spool.mkdir(parents=True, exist_ok=True)
+        atomic_write(spool / f"{uuid.uuid4()}.json", orjson.dumps(entry))
+
+    imds = ImdsClient(config.imds.endpoint, config.imds.api_version, timeout=config.imds.timeout,
+                      compute_api_version=config.imds.compute_api_version)
+    try:
+        saved = StateStore(config.state.dir).load()
+    except ForwarderError:
+        saved = AgentState()
+    vm = resolve_identity(imds, saved)
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid:{os.getuid()}" if hasattr(os, "getuid") else "unknown"
+    approver = Approver(config.approval, imds, lambda: vm, audit, config.state.dir, threading.Event())
+    attempt = approver.approve(args.event_ids, actor="cli", approver=user, reason=args.reason, scope=args.scope)
+    if args.json:
+        sys.stdout.buffer.write(orjson.dumps(attempt.answer()) + b"\n")
+    else:
+        for event_id in attempt.approved:
+            print(f"approved {event_id}")
+        for event_id in attempt.already_approved:
+            print(f"already approved {event_id}")
+        for event_id, why in attempt.refused.items():
+            print(f"refused {event_id}: {why}")
+        if attempt.detail:
+            print(attempt.detail, file=sys.stderr)
+    return EXIT_OK if attempt.outcome == APPROVED else EXIT_FAILURE
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -265,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_demo(args)
         if args.command == "config":
             return cmd_config(args)
+        if args.command == "approve":
+            return cmd_approve(args)
         if args.command == "status":
             return cmd_status(args)
         if args.command == "deadletter":

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from forwarder.approval.config import parse_approval
+from forwarder.approval.settings import ApprovalConfig
 from forwarder.errors import ConfigError
 from forwarder.units import format_duration, parse_duration, parse_size
 
@@ -111,6 +113,7 @@ class Config:
     source: str
     journal: JournalConfig = JournalConfig(max_size=256 * 1024 * 1024, segment_size=8 * 1024 * 1024, fsync=True)
     delivery: DeliveryConfig = DeliveryConfig(retry_initial=1.0, retry_max=60.0, retry_after_cap=300.0)
+    approval: ApprovalConfig = ApprovalConfig()
 
 
 # -- value parsers: raw TOML value or env string -> parsed value, or ValueError ------------------
@@ -203,8 +206,8 @@ class _Key:
     parse: Callable[[Any], Any]
 
 
-# The one place that says which sections and keys exist. Sections reserved for later issues
-# ("approval", "telemetry") become valid by adding one entry here.
+# The one place that says which flat sections and keys exist. Sections reserved for later issues
+# ("telemetry") become valid by adding one entry here; [approval] is nested (forwarder.approval.config).
 SECTIONS: dict[str, dict[str, _Key]] = {
     "imds": {
         "endpoint": _Key("http://169.254.169.254", _endpoint),
@@ -234,7 +237,9 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "retry_after_cap": _Key("5m", _duration(0.0)),
     },
 }
-_TOP_LEVEL = (*SECTIONS, "sinks")
+# Nested tables with their own parsers, beside the flat SECTIONS.
+_NESTED = ("sinks", "approval")
+_TOP_LEVEL = (*SECTIONS, *_NESTED)
 
 
 def _suggest(word: str, choices: Any) -> str:
@@ -272,7 +277,7 @@ def _parse_sections(
     # (raw value, label) per key: file first, then environment on top.
     raw: dict[str, dict[str, tuple[Any, str]]] = {s: {} for s in SECTIONS}
     for section, table in data.items():
-        if section == "sinks":
+        if section in _NESTED:
             continue
         if section not in SECTIONS:
             if isinstance(table, Mapping):
@@ -422,6 +427,8 @@ def parse_config(
     base_dir = Path(source).absolute().parent if source != DEFAULTS_SOURCE else None
     parsed = _parse_sections(data, env, base_dir, problems)
     sinks = _parse_sinks(data, check_sinks, problems)
+    approval, approval_problems = parse_approval(data.get("approval", {}), env, base_dir)
+    problems.extend(approval_problems)
     if problems:
         raise ConfigError(problems)
     return Config(
@@ -432,6 +439,7 @@ def parse_config(
         source=source,
         journal=JournalConfig(**parsed["journal"]),
         delivery=DeliveryConfig(**parsed["delivery"]),
+        approval=approval,
     )
 
 
@@ -541,6 +549,17 @@ def describe(config: Config) -> str:
     for sink in config.sinks:
         options = ", ".join(f"{k}={_show(k, v)}" for k, v in sink.options.items())
         lines.append(f"  {sink.name} (type {sink.type})" + (f": {options}" if options else ""))
+    approval = config.approval
+    callback = approval.callback
+    listen = "off" if callback is None else (
+        f"{'https' if callback.tls_cert else 'http'} on {callback.host}:{callback.port} "
+        f"({len(callback.keys)} key{'s' if len(callback.keys) != 1 else ''})"
+    )
+    lines.append(
+        f"approval: scope {approval.scope}, {len(approval.rules)} rule(s)"
+        f"{' (' + ', '.join(r.name for r in approval.rules) + ')' if approval.rules else ''}, "
+        f"hooks: {', '.join(approval.hooks) or 'none'}, callback: {listen}"
+    )
     return "\n".join(lines)
 
 
@@ -628,4 +647,75 @@ max_size = "64MiB"
 backups = 5
 # fsync after every batch: an acknowledged batch then survives power loss, at some cost.
 fsync = false
+
+[approval]
+# Approving an event (POST StartRequests to IMDS) lets Azure start it early for EVERY VM in its
+# Resources. Nothing is approved unless rules, `sefwd approve` or the callback say so; every
+# attempt becomes an approval.* record. Env overrides: SEFWD_APPROVAL_SCOPE, _HOOK_TIMEOUT, ...
+# Which events this VM may approve: "self" (Resources is this VM alone), "leader" (this VM is
+# the first of the sorted Resources), "any", or "self_or_leader" (either of the first two).
+scope = "self_or_leader"
+# Hooks are killed (with their process group) after this long.
+hook_timeout = "5m"
+# Bytes of a hook's stdout+stderr kept in the audit record.
+hook_output_limit = "4KiB"
+
+# A command per change kind (scheduled, started, updated, completed, canceled): a list runs
+# without a shell, a string runs with /bin/sh -c. The record is on stdin as JSON; the event is in
+# SEFWD_EVENT_ID, SEFWD_EVENT_TYPE, SEFWD_EVENT_STATUS, SEFWD_EVENT_SOURCE, SEFWD_EVENT_RESOURCES,
+# SEFWD_EVENT_NOT_BEFORE, SEFWD_EVENT_DURATION, SEFWD_EVENT_DESCRIPTION, SEFWD_CHANGE,
+# SEFWD_AFFECTS_THIS_VM, SEFWD_RECORD_ID and SEFWD_RECORD_TYPE.
+# [approval.hooks]
+# scheduled = ["/usr/local/bin/drain.sh", "--graceful"]
+# completed = "/usr/local/bin/undrain.sh"
+
+# Rules: the first that matches an event decides; without rules nothing is approved
+# automatically (events start at NotBefore). Every match key is optional (left out = any):
+# event_type, event_source, event_status (a string or a list; case-sensitive IMDS values),
+# duration_min / duration_max (DurationInSeconds, inclusive; an event without it never matches
+# a duration bound), affects_this_vm (true/false), resources_min / resources_max (how many
+# Resources), description (a Python regex, searched). action: approve, hold or ignore; approve
+# may add delay ("30s": wait, re-check the event, then approve) and after_hooks (true: approve
+# only if this change's hook exits 0). name (default "rules[<i>]") appears in the audit records.
+# These four reproduce the advanced sample of Microsoft's Scheduled Events documentation:
+# [[approval.rules]]
+# name = "log-started"
+# event_status = "Started"
+# action = "ignore"
+# [[approval.rules]]
+# name = "user-initiated"
+# event_source = "User"
+# action = "approve"
+# [[approval.rules]]
+# name = "short-freeze"
+# event_type = "Freeze"
+# duration_min = 0
+# duration_max = 8
+# action = "approve"
+# [[approval.rules]]
+# name = "everything-else"
+# action = "hold"
+# Other match keys look like: resources_max = 1, affects_this_vm = true, event_type =
+# ["Reboot", "Redeploy"], description = "Live Migration"; approve rules may add delay = "30s"
+# or after_hooks = true.
+
+# The signed remote-approval endpoint (off unless this table exists): POST /approvals with
+# {"StartRequests":[{"EventId":"..."}]}, signed the Standard Webhooks way.
+# [approval.callback]
+# # host:port ("[::1]:8787" for IPv6); any address may be used, the signature protects it.
+# listen = "127.0.0.1:8787"
+# # An environment variable (or secret_file) holding whsec_... secrets; several, space-separated,
+# # are all accepted (key rotation).
+# secret_env = "SEFWD_CALLBACK_SECRET"
+# # HTTPS: both or neither.
+# tls_cert = "/etc/sefwd/tls.crt"
+# tls_key = "/etc/sefwd/tls.key"
+# # Larger request bodies are refused (413).
+# max_body = "16KiB"
+# # Requests per minute per client address (429 beyond).
+# rate_limit = 30
+# # Slow clients are dropped after this long.
+# client_timeout = "5s"
+# # Accepted clock difference of webhook-timestamp, both ways.
+# tolerance = "5m"
 '''

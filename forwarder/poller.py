@@ -2,14 +2,20 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
+from typing import Any
 
-from forwarder.differ import diff
+import orjson
+
+from forwarder.differ import Change, diff
 from forwarder.document import Document, parse_document
 from forwarder.delivery import Outbox
 from forwarder.errors import DocumentError, ForwarderError, ImdsError
@@ -87,6 +93,9 @@ class Poller:
                 log.error("saved document is unreadable (%s); treating this start as a fresh install", exc)
                 self._last_body = None
         self.polled = threading.Condition()
+        self.inbox: deque[dict[str, Any]] = deque()
+        self.on_changes: Callable[[list[Change], list[Record]], None] | None = None
+        self.spool_dir: Path | None = None
 
     # -- one cycle -------------------------------------------------------------------------
     def poll_once(self) -> float:
@@ -114,11 +123,52 @@ class Poller:
             return self.poll_interval
         self._errors.clear("document")
         changes = diff(self.current, document, self._wall())
-        if self._emit(lambda: self.factory.for_changes(changes, document), document=document, body=body):
+        built: list[Record] = []
+
+        def build() -> list[Record]:
+            built[:] = self.factory.for_changes(changes, document)
+            return built
+
+        if self._emit(build, document=document, body=body):
             self.stats.changed_documents += 1
             self.stats.records += len(changes)
+            if changes and self.on_changes is not None:
+                self.on_changes(changes, built)
         self._notify()
         return self.poll_interval
+
+    # -- audit entries from other threads and from `sefwd approve` -------------------------
+    def submit_audit(self, entry: dict[str, Any]) -> None:
+        """Thread-safe: the entry becomes an approval.* record on the poller's next turn."""
+        self.inbox.append(entry)
+
+    def drain_inbox(self) -> None:
+        """Journal queued audit entries and spooled ones (written by `sefwd approve`)."""
+        spooled: list[Path] = []
+        if self.spool_dir is not None:
+            try:
+                with os.scandir(self.spool_dir) as it:
+                    spooled = sorted(Path(e.path) for e in it if e.name.endswith(".json"))
+            except FileNotFoundError:
+                pass
+        queued: list[dict[str, Any]] = []
+        while self.inbox:
+            queued.append(self.inbox.popleft())
+        from_spool: list[dict[str, Any]] = []
+        for path in spooled:
+            try:
+                from_spool.append(orjson.loads(path.read_bytes()))
+            except (OSError, ValueError) as exc:
+                log.error("setting aside unreadable approval spool file %s: %s", path, exc)
+                path.rename(path.with_suffix(".bad"))
+        entries = [e for e in queued + from_spool if isinstance(e, dict) and e.get("Outcome")]
+        if not entries:
+            return
+        if self._emit(lambda: [self.factory.approval(e) for e in entries]):
+            for path in spooled:
+                path.unlink(missing_ok=True)  # (a file set aside above is already gone)
+        else:
+            self.inbox.extendleft(reversed(queued))  # spool files stay on disk and are retried
 
     def _emit(self, build: Callable[[], list[Record]], *, document: Document | None = None, body: bytes | None = None) -> bool:
         """Commit the new state with its records as a write-ahead, then journal them.
@@ -217,7 +267,9 @@ class Poller:
         next_heartbeat = self._mono() + self.heartbeat if self.heartbeat > 0 else float("inf")
         next_refresh = self._mono() + self.compute_refresh if self.compute_refresh > 0 else float("inf")
         while not self.stop.is_set():
+            self.drain_inbox()  # audits that arrived while we waited go before the next document
             wait = self.poll_once()
+            self.drain_inbox()
             now = self._mono()
             if now >= next_heartbeat:
                 self.emit_lifecycle("heartbeat", **self.heartbeat_data())

@@ -134,6 +134,15 @@ class RecordFactory:
             out.append(Record.from_dict(envelope))
         return out
 
+    def approval(self, entry: Mapping[str, Any]) -> Record:
+        """``approval.<outcome>`` audit record; random id (an audit entry is never re-derived)."""
+        payload = dict(entry)
+        payload["ApiVersion"] = self.api_version
+        payload["Vm"] = self.vm.record_data()
+        subject = entry.get("EventId") or "approval"
+        envelope = self._envelope(str(uuid.uuid4()), f"approval.{entry['Outcome']}", str(subject), payload, self._clock())
+        return Record.from_dict(envelope)
+
     def lifecycle(self, kind: str, data: Mapping[str, Any]) -> Record:
         """``forwarder.started|heartbeat|stopped``: ids are random, these are never re-derived."""
         rtype = f"forwarder.{kind}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from typing import Any
 
 from forwarder import __version__
 from forwarder.config import Config
@@ -20,6 +21,7 @@ from forwarder.state import AgentState, StateStore
 from forwarder.status import StatusReporter
 
 log = logging.getLogger(__name__)
+SPOOL_DIR = "spool"
 
 
 def build_sinks(config: Config, stop: threading.Event, *, pretty: bool = False) -> dict[str, Sink]:
@@ -62,6 +64,8 @@ class Agent:
         self.stop = stop or threading.Event()
         self.pretty = pretty
         self.poller: Poller | None = None
+        self.approver: Any = None
+        self.callback: Any = None
         self.ready = threading.Event()
 
     def _outbox(self) -> Dispatcher:
@@ -84,6 +88,37 @@ class Agent:
         )
         dispatcher.start()
         return dispatcher
+
+    def _start_approvals(self, poller: Poller, imds: ImdsClient) -> None:
+        """Policy, hooks and the callback server, only when configured (none is by default)."""
+        ap = self.config.approval
+        poller.spool_dir = self.config.state.dir / SPOOL_DIR
+        if not (ap.rules or ap.hooks or ap.callback):
+            return
+        from forwarder.approval.approver import Approver
+
+        # Its own IMDS client: requests sessions are not shared between threads.
+        client = ImdsClient(self.config.imds.endpoint, self.config.imds.api_version, timeout=self.config.imds.timeout,
+                            compute_api_version=self.config.imds.compute_api_version, stop=self.stop)
+        self.approver = approver = Approver(ap, client, lambda: poller.factory.vm, poller.submit_audit,
+                                            self.config.state.dir, self.stop)
+        poller.on_changes = approver.on_changes
+        if ap.callback is not None:
+            from forwarder.approval.approver import audit_entry
+            from forwarder.approval.callback import CallbackServer, Verdict
+
+            def decide(request: Any) -> Any:
+                attempt = approver.approve(request.event_ids, actor="callback", approver=request.approver,
+                                           client=request.client, reason=request.reason)
+                return Verdict(attempt.status, attempt.answer())
+
+            def audit(fields: dict[str, object]) -> None:
+                poller.submit_audit(audit_entry(str(fields.get("Outcome") or "refused"), "callback",
+                                                str(fields.get("Reason") or "refused"),
+                                                **{k: v for k, v in fields.items() if k not in ("Outcome", "Actor", "Reason")}))
+
+            self.callback = CallbackServer(ap.callback, decide, audit, self.config.state.dir / "callback-replay.log").start()
+            log.info("approval callback listening on %s", self.callback.url)
 
     def snapshot(self, outbox: Dispatcher, poller: Poller) -> dict[str, object]:
         st = poller.stats
@@ -137,14 +172,23 @@ class Agent:
                     "started", Resumed=resumed, Pid=os.getpid(), Sinks=[s.name for s in cfg.sinks],
                     PollIntervalSeconds=cfg.imds.poll_interval,
                 )
+                self._start_approvals(poller, imds)
                 reporter = StatusReporter(cfg.state.dir, lambda: self.snapshot(outbox, poller), self.stop)
                 reporter.write()
                 reporter.start()
                 self.ready.set()
                 poller.run()
+                if self.callback is not None:  # no new approvals once stopping
+                    self.callback.stop()
+                    self.callback = None
+                poller.drain_inbox()
                 # Stopping: the stopped record must still get out, so do not let `stop` abort it.
                 poller.emit_lifecycle("stopped", Reason="shutdown", UptimeSeconds=poller.heartbeat_data()["UptimeSeconds"])
             finally:
+                if self.callback is not None:
+                    self.callback.stop()
+                if self.approver is not None:
+                    self.approver.imds.close()
                 outbox.close(cfg.agent.drain_timeout)
                 imds.close()
                 if self.poller is not None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Any, ClassVar
 import pytest
 
 from forwarder import sinkapi
+from forwarder.approval.config import APPROVAL_KEYS, CALLBACK_KEYS, RULE_KEYS
+from forwarder.approval.settings import CHANGE_KINDS, ApprovalConfig
 from forwarder.config import (
     EXAMPLE_CONFIG,
     SECTIONS,
@@ -207,7 +210,8 @@ def test_env_overrides_apply_without_a_file(tmp_path: Path) -> None:
 def test_other_sefwd_variables_and_empty_values_are_ignored() -> None:
     env = {
         "SEFWD_EVENT_ID": "x",
-        "SEFWD_APPROVAL_MODE": "auto",  # reserved section: not an override yet
+        "SEFWD_TELEMETRY_MODE": "auto",  # reserved section: not an override yet
+        "SEFWD_APPROVAL_SCOPE": "",
         "SEFWD_SOMETHING": "1",
         "SEFWD_IMDS_TIMEOUT": "",
         "PATH": "/bin",
@@ -243,10 +247,24 @@ def test_unknown_section_and_top_level_key() -> None:
     assert "unknown top-level key 'zzz'" in problems
 
 
-@pytest.mark.parametrize("section", ["approval", "telemetry"])
+@pytest.mark.parametrize("section", ["telemetry"])
 def test_reserved_sections_are_not_accepted_yet(section: str) -> None:
     (problem,) = problems_of({section: {}})
     assert problem.startswith(f"unknown section [{section}]")
+
+
+def test_approval_section_is_parsed_and_its_problems_join_the_others() -> None:
+    config = parse({"approval": {"scope": "self", "rules": [{"event_source": "User", "action": "approve"}]}},
+                   {"SEFWD_APPROVAL_HOOK_TIMEOUT": "30s"})
+    assert config.approval.scope == "self" and config.approval.hook_timeout == 30.0
+    assert [(r.name, r.action, r.event_source) for r in config.approval.rules] == [("rules[0]", "approve", ("User",))]
+    assert "approval: scope self, 1 rule(s) (rules[0]), hooks: none, callback: off" in describe(config)
+    problems = problems_of({"imds": {"timeout": "0"}, "approval": {"scope": "everyone", "rules": [{"action": "go"}]}},
+                           {"SEFWD_APPROVAL_SCOPES": "any"})
+    assert len(problems) == 4, problems
+    assert any(p.startswith("approval.scope: must be one of") for p in problems)
+    assert any(p.startswith("approval.rules[0].action: must be one of") for p in problems)
+    assert any("SEFWD_APPROVAL_SCOPES" in p and "did you mean 'SEFWD_APPROVAL_SCOPE'" in p for p in problems)
 
 
 def test_unknown_key_suggests_a_close_match() -> None:
@@ -441,6 +459,10 @@ def test_example_config_parses_and_shows_every_key() -> None:
     config = parse_config(data, {}, "/etc/sefwd/config.toml", check_sinks=False)
     for section, keys in SECTIONS.items():
         assert set(data[section]) == set(keys), section
+    # [approval]'s nested tables are shown commented out; every key still appears.
+    assert config.approval == ApprovalConfig()
+    for key in (*APPROVAL_KEYS, *RULE_KEYS, *CALLBACK_KEYS, *CHANGE_KINDS):
+        assert re.search(rf"\b{key}\b", EXAMPLE_CONFIG), key
     # The example shows the defaults (state.dir shows the root default, the service's case).
     defaults = default_config()
     assert config.imds == defaults.imds and config.agent == defaults.agent

@@ -1,0 +1,142 @@
+"""Pure approval decisions over sefwd records: which events to approve, once, and on which VM."""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+DECIDED_TYPES = ("scheduledevent.scheduled", "scheduledevent.updated")
+ALL_EVENT_TYPES = frozenset({"Freeze", "Reboot", "Redeploy", "Preempt", "Terminate"})
+
+
+def _csv(value: str) -> frozenset[str]:
+    return frozenset(part.strip() for part in value.split(",") if part.strip())
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What this approver approves; the default is the seed's advanced sample."""
+
+    # Events from these sources are approved (the seed: every user-initiated event).
+    approve_sources: frozenset[str] = frozenset({"User"})
+    # Freeze events with 0 <= DurationInSeconds <= this are approved (the seed: < 9); None = never.
+    max_freeze_seconds: float | None = 8.0
+    # Types this approver may approve at all; a type outside it is never approved, whatever the source.
+    event_types: frozenset[str] = ALL_EVENT_TYPES
+
+    @classmethod
+    def from_settings(cls, env: Mapping[str, str]) -> Policy:
+        """From app settings: APPROVE_EVENT_TYPES, APPROVE_EVENT_SOURCES, MAX_FREEZE_SECONDS."""
+        types = env.get("APPROVE_EVENT_TYPES", "").strip()
+        sources = env.get("APPROVE_EVENT_SOURCES")
+        freeze = env.get("MAX_FREEZE_SECONDS", "").strip()
+        max_freeze: float | None = cls.max_freeze_seconds
+        if freeze:
+            # "off" (or a negative number) turns the short-freeze rule off entirely.
+            max_freeze = None if freeze.lower() in ("off", "none", "never") or float(freeze) < 0 else float(freeze)
+        return cls(
+            approve_sources=_csv(sources) if sources is not None else cls.approve_sources,
+            max_freeze_seconds=max_freeze,
+            event_types=ALL_EVENT_TYPES if types in ("", "*") else _csv(types),
+        )
+
+
+def _duration(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return None
+
+
+def should_approve(record: Mapping[str, Any], policy: Policy) -> tuple[bool, str]:
+    """(approve?, snake_case reason) for one sefwd CloudEvents record."""
+    if record.get("type") not in DECIDED_TYPES:
+        return False, "not_a_scheduling_record"
+    data = record.get("data")
+    if not isinstance(data, Mapping):
+        return False, "no_data"
+    if data.get("EventStatus") != "Scheduled":
+        return False, "not_scheduled"
+    if not data.get("EventId"):
+        return False, "no_event_id"
+    resources = data.get("Resources")
+    if not isinstance(resources, list) or not any(isinstance(r, str) and r.lstrip("_") for r in resources):
+        return False, "no_resources"
+    event_type = data.get("EventType")
+    if event_type not in policy.event_types:
+        return False, "event_type_not_allowed"
+    if data.get("EventSource") in policy.approve_sources:
+        return True, "user_initiated" if data.get("EventSource") == "User" else "event_source_allowed"
+    if event_type == "Freeze" and policy.max_freeze_seconds is not None:
+        seconds = _duration(data.get("DurationInSeconds"))
+        # -1 (or no field) means "unknown": an unknown freeze is never a short one.
+        if seconds is None or seconds < 0:
+            return False, "freeze_duration_unknown"
+        if seconds <= policy.max_freeze_seconds:
+            return True, "short_freeze"
+        return False, "freeze_too_long"
+    return False, "no_rule_matched"
+
+
+def target_vm(record: Mapping[str, Any]) -> str:
+    """The VM allowed to approve the event under sefwd's default scope: the leader.
+
+    The leader is the first of the sorted Resources, leading "_" stripped (2017-03-01 names),
+    compared case-insensitively — the same rule the agent applies (``VmIdentity.is_leader``), so
+    every copy of an availability-set event, from whichever VM, points at the same VM. For an
+    event of one VM alone (scope ``self``) that VM is its own leader.
+    """
+    data = record.get("data")
+    resources = data.get("Resources") if isinstance(data, Mapping) else None
+    names = [r.lstrip("_") for r in resources or () if isinstance(r, str) and r.lstrip("_")]
+    if not names:
+        raise ValueError("record has no Resources to pick the approving VM from")
+    return min(names, key=lambda name: (name.lower(), name))
+
+
+def dedupe_key(record: Mapping[str, Any]) -> str:
+    """The fleet-wide key of the change: sefwd's ``eventkey``, the same on every VM that saw it."""
+    key = record.get("eventkey")
+    if isinstance(key, str) and key:
+        return key
+    raw = record.get("data")
+    data: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    return f"{data.get('EventId')}:{str(record.get('type', '')).rpartition('.')[2]}"
+
+
+@dataclass
+class Deduper:
+    """Remembers keys already decided for ``ttl`` seconds (bounded); thread-safe.
+
+    ``claim`` marks a key as taken; ``release`` gives it back after a transient failure so the next
+    copy of the record (another VM of the set sends one too) gets another chance.
+    """
+
+    ttl: float = 6 * 3600.0  # longer than any notice period (Redeploy/Reboot/Freeze: 10-15 min)
+    max_keys: int = 100_000
+    clock: Callable[[], float] = time.monotonic
+    _seen: OrderedDict[str, float] = field(default_factory=OrderedDict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def claim(self, key: str) -> bool:
+        """True the first time ``key`` is seen within ``ttl``; False for a duplicate."""
+        now = self.clock()
+        with self._lock:
+            while self._seen:
+                oldest, when = next(iter(self._seen.items()))
+                if now - when < self.ttl and len(self._seen) < self.max_keys:
+                    break
+                self._seen.popitem(last=False)
+            if key in self._seen:
+                return False
+            self._seen[key] = now
+            return True
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self._seen.pop(key, None)

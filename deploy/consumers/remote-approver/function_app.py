@@ -1,0 +1,50 @@
+"""Azure Function (Python v2 model): sefwd records in (Event Hubs or signed webhook), approvals out.
+
+Only the bindings live here; the logic is in decide.py, approver_client.py and pipeline.py so it
+can be tested without the Functions host.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+
+import azure.functions as func
+
+from pipeline import RemoteApprover, Settings, handle_webhook, records_from_event_bodies
+
+app = func.FunctionApp()
+
+
+@functools.lru_cache(maxsize=1)
+def get_approver() -> RemoteApprover:
+    """One approver per worker process, so de-duplication spans invocations."""
+    return RemoteApprover(Settings.from_env(os.environ))
+
+
+@app.function_name("sefwd_eventhub")
+@app.event_hub_message_trigger(
+    arg_name="events",
+    event_hub_name="%EVENTHUB_NAME%",
+    connection="EVENTHUB_CONNECTION",  # app setting; or EVENTHUB_CONNECTION__fullyQualifiedNamespace (managed identity)
+    consumer_group="%EVENTHUB_CONSUMER_GROUP%",
+    cardinality="many",
+)
+def sefwd_eventhub(events: list[func.EventHubEvent]) -> None:
+    """Each event body is one sefwd record (CloudEvents JSON, structured mode)."""
+    records = records_from_event_bodies(event.get_body() for event in events)
+    get_approver().handle_many(records)
+
+
+@app.function_name("sefwd_webhook")
+@app.route(route="sefwd", methods=["POST"], auth_level=func.AuthLevel.FUNCTION)
+def sefwd_webhook(req: func.HttpRequest) -> func.HttpResponse:
+    """The sefwd webhook sink posts here (Standard Webhooks signed, SEFWD_WEBHOOK_SECRET)."""
+    try:
+        approver = get_approver()
+    except ValueError as exc:
+        logging.error("%s", exc)
+        return func.HttpResponse(json.dumps({"error": "misconfigured"}), status_code=500, mimetype="application/json")
+    status, answer = handle_webhook(approver, req.get_body(), dict(req.headers))
+    return func.HttpResponse(json.dumps(answer), status_code=status, mimetype="application/json")

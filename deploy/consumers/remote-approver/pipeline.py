@@ -1,0 +1,276 @@
+"""Records in, approvals out: settings, de-duplication, leader targeting, and the webhook receiver."""
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+from standardwebhooks.webhooks import Webhook
+
+import approver_client
+from decide import ALL_EVENT_TYPES, Deduper, Policy, dedupe_key, should_approve, target_vm
+
+log = logging.getLogger(__name__)
+
+SINGLE = "application/cloudevents+json"
+BATCH = "application/cloudevents-batch+json"
+PLAIN = "application/json"
+MAX_WEBHOOK_BODY = 4 * 1024 * 1024
+APP_DIR = Path(__file__).resolve().parent
+
+
+def dns_label(name: str) -> str:
+    """A VM name as a DNS label: lower case, anything but [a-z0-9-] as "-" (``WestNO_0`` -> ``westno-0``)."""
+    return re.sub(r"[^a-z0-9-]", "-", name.lower()).strip("-")
+
+
+def secret_problem(secret: str) -> str | None:
+    """Why ``secret`` is not a usable ``whsec_<base64>`` key (the agent wants >= 16 key bytes), or None."""
+    if not secret.startswith("whsec_"):
+        return "must start with whsec_"
+    text = secret[len("whsec_"):]
+    try:
+        # Pasted secrets often lose their padding; the agent and the standardwebhooks package accept that.
+        key = base64.b64decode(text + "=" * (-len(text) % 4), validate=True)
+    except ValueError:  # binascii.Error is a ValueError
+        return "is not base64 after whsec_"
+    return None if len(key) >= 16 else f"is too short ({len(key)} key bytes, need 16 or more)"
+
+
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The app settings this function reads (see README.md: "App settings")."""
+
+    policy: Policy
+    callback_url_template: str
+    callback_secret: str = field(repr=False)
+    webhook_secrets: tuple[str, ...] = field(default=(), repr=False)
+    callback_urls: Mapping[str, str] = field(default_factory=dict)  # lower-case VM name -> URL
+    approver_name: str = "remote-approver"
+    verify: bool | str = True
+    timeout: float = 5.0
+    attempts: int = 3
+    dry_run: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Settings:
+        """Read and check every setting; raises ValueError listing all problems at once."""
+        problems: list[str] = []
+        template = env.get("CALLBACK_URL_TEMPLATE", "").strip()
+        urls: dict[str, str] = {}
+        raw_map = env.get("CALLBACK_URLS", "").strip()
+        if raw_map:
+            try:
+                parsed = json.loads(raw_map)
+                if not isinstance(parsed, dict) or not all(isinstance(v, str) for v in parsed.values()):
+                    raise ValueError("not an object of strings")
+                urls = {str(k).lstrip("_").lower(): v for k, v in parsed.items()}
+            except ValueError as exc:
+                problems.append(f"CALLBACK_URLS must be a JSON object {{vm name: url}}: {exc}")
+        if not template and not urls:
+            problems.append("CALLBACK_URL_TEMPLATE is required (e.g. https://{vm_name}.contoso.internal:8787/approvals)")
+        elif template:
+            try:
+                template.format(vm_name="vm", vm_lower="vm", vm_dns="vm")
+            except (KeyError, IndexError, ValueError) as exc:
+                problems.append(f"CALLBACK_URL_TEMPLATE: only {{vm_name}}, {{vm_lower}}, {{vm_dns}} are allowed: {exc!r}")
+        secret = env.get("SEFWD_CALLBACK_SECRET", "").strip()
+        if not secret:
+            problems.append("SEFWD_CALLBACK_SECRET is required (the whsec_ secret of the VMs' [approval.callback])")
+        else:
+            problem = secret_problem(secret)
+            if problem:
+                problems.append(f"SEFWD_CALLBACK_SECRET {problem}")
+        webhook_secrets = tuple(env.get("SEFWD_WEBHOOK_SECRET", "").split())
+        for position, value in enumerate(webhook_secrets, 1):
+            problem = secret_problem(value)
+            if problem:
+                problems.append(f"SEFWD_WEBHOOK_SECRET: secret #{position} {problem}")
+        try:
+            policy = Policy.from_settings(env)
+        except ValueError as exc:
+            problems.append(f"MAX_FREEZE_SECONDS: {exc}")
+            policy = Policy()
+        unknown = sorted(policy.event_types - ALL_EVENT_TYPES)
+        if unknown:
+            problems.append(f"APPROVE_EVENT_TYPES: unknown event types {unknown} (known: {sorted(ALL_EVENT_TYPES)})")
+        numbers: dict[str, float] = {}
+        for name, default in (("CALLBACK_TIMEOUT_SECONDS", 5.0), ("CALLBACK_ATTEMPTS", 3.0)):
+            try:
+                numbers[name] = float(env.get(name, "") or default)
+                if numbers[name] <= 0:
+                    raise ValueError("must be greater than zero")
+            except ValueError as exc:
+                problems.append(f"{name}: {exc}")
+                numbers[name] = default
+        ca_bundle = env.get("CALLBACK_CA_BUNDLE", "").strip()
+        if ca_bundle:
+            # A relative path is a file shipped with the app (e.g. certs/contoso-ca.pem).
+            ca_bundle = str(APP_DIR / ca_bundle) if not Path(ca_bundle).is_absolute() else ca_bundle
+            if not Path(ca_bundle).is_file():
+                problems.append(f"CALLBACK_CA_BUNDLE: no file {ca_bundle}")
+        if problems:
+            raise ValueError("remote approver settings: " + "; ".join(problems))
+        site = env.get("WEBSITE_SITE_NAME", "").strip()
+        return cls(
+            policy=policy, callback_url_template=template, callback_secret=secret,
+            webhook_secrets=webhook_secrets, callback_urls=urls,
+            approver_name=env.get("APPROVER_NAME", "").strip() or (f"azure-function:{site}" if site else "remote-approver"),
+            verify=ca_bundle or True, timeout=numbers["CALLBACK_TIMEOUT_SECONDS"],
+            attempts=int(numbers["CALLBACK_ATTEMPTS"]), dry_run=_flag(env.get("DRY_RUN")),
+        )
+
+    def callback_url(self, vm_name: str) -> str:
+        """The approval endpoint of ``vm_name``: CALLBACK_URLS first, else the template."""
+        explicit = self.callback_urls.get(vm_name.lstrip("_").lower())
+        if explicit:
+            return explicit
+        if not self.callback_url_template:
+            raise LookupError(f"no callback URL for VM {vm_name!r} (not in CALLBACK_URLS, no CALLBACK_URL_TEMPLATE)")
+        return self.callback_url_template.format(vm_name=vm_name, vm_lower=vm_name.lower(), vm_dns=dns_label(vm_name))
+
+
+ApproveFn = Callable[..., dict[str, Any]]
+
+
+class RemoteApprover:
+    """Decide each record once (by ``eventkey``) and send approvals to the event's leader VM."""
+
+    def __init__(self, settings: Settings, *, deduper: Deduper | None = None,
+                 session: requests.Session | None = None, approve: ApproveFn = approver_client.approve) -> None:
+        self.settings = settings
+        self.deduper = deduper or Deduper()
+        # One pooled session per function instance; requests' Session is safe for this use.
+        self.session = session or requests.Session()
+        self._approve = approve
+
+    def handle(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        """Decide one record; returns what happened (also logged)."""
+        raw = record.get("data")
+        data: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+        outcome: dict[str, Any] = {"id": record.get("id"), "type": record.get("type"), "EventId": data.get("EventId")}
+        approve, reason = should_approve(record, self.settings.policy)
+        outcome["reason"] = reason
+        if not approve:
+            outcome["decision"] = "skip"
+            return outcome
+        key = dedupe_key(record)
+        outcome["eventkey"] = key
+        if not self.deduper.claim(key):
+            outcome["decision"] = "duplicate"
+            return outcome
+        target = target_vm(record)
+        outcome["target"] = target
+        try:
+            url = self.settings.callback_url(target)
+        except LookupError as exc:
+            log.error("%s", exc)
+            outcome.update(decision="failed", detail=str(exc))
+            return outcome
+        if self.settings.dry_run:
+            log.info("DRY_RUN: would approve %s (%s) via %s", data.get("EventId"), reason, url)
+            outcome["decision"] = "dry_run"
+            return outcome
+        seen_by = data.get("Vm", {}).get("Name") if isinstance(data.get("Vm"), Mapping) else None
+        answer = self._approve(
+            url, self.settings.callback_secret, [str(data["EventId"])], self.settings.approver_name,
+            f"{reason} (record {record.get('id')} from {seen_by or record.get('source')})",
+            timeout=self.settings.timeout, session=self.session, verify=self.settings.verify,
+            attempts=self.settings.attempts,
+        )
+        if not answer.get("final", True):
+            # Unreachable or 5xx after every attempt: forget the key so the next copy (from another
+            # VM of the set, or a redelivery) tries again. The event still proceeds at NotBefore.
+            self.deduper.release(key)
+        outcome.update(
+            decision="approved" if answer.get("ok") else "refused" if answer.get("final", True) else "failed",
+            answer=answer.get("reason"), http_status=answer.get("http_status"),
+        )
+        return outcome
+
+    def handle_many(self, records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        outcomes = [self.handle(record) for record in records]
+        for o in outcomes:
+            if o["decision"] != "skip":
+                log.info("record %s %s event %s: %s (%s) target=%s http=%s", o.get("id"), o.get("type"),
+                         o.get("EventId"), o["decision"], o["reason"], o.get("target"), o.get("http_status"))
+        return outcomes
+
+
+def parse_records(body: bytes, content_type: str) -> list[dict[str, Any]]:
+    """CloudEvents in structured mode: one object, or an array for the batch content type."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media not in (SINGLE, BATCH, PLAIN):
+        raise TypeError(f"unsupported content type {media!r}")
+    parsed = json.loads(body)
+    if media == SINGLE and not isinstance(parsed, dict):
+        raise ValueError(f"{SINGLE} must be one JSON object")
+    if media == BATCH and not isinstance(parsed, list):
+        raise ValueError(f"{BATCH} must be a JSON array")
+    records = parsed if isinstance(parsed, list) else [parsed]
+    if not all(isinstance(r, dict) for r in records):
+        raise ValueError("every record must be a JSON object")
+    return records
+
+
+def verify_webhook(body: bytes, headers: Mapping[str, str], secrets: Iterable[str]) -> bool:
+    """Standard Webhooks check against any of ``secrets`` (two during a rotation)."""
+    lowered = {k.lower(): v for k, v in headers.items()}
+    for secret in secrets:
+        try:
+            Webhook(secret).verify(body, lowered, json_parse=False)
+            return True
+        except Exception:  # noqa: BLE001 - the package raises several types for malformed headers
+            continue
+    return False
+
+
+def handle_webhook(approver: RemoteApprover, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
+    """A request of the sefwd webhook sink -> (HTTP status, JSON answer)."""
+    if not approver.settings.webhook_secrets:
+        log.error("SEFWD_WEBHOOK_SECRET is not set: refusing every webhook request")
+        return 500, {"error": "webhook_secret_not_configured"}
+    if len(body) > MAX_WEBHOOK_BODY:
+        return 413, {"error": "body_too_large"}
+    if not verify_webhook(body, headers, approver.settings.webhook_secrets):
+        log.warning("webhook request refused: bad or missing Standard Webhooks signature")
+        return 401, {"error": "bad_signature"}
+    content_type = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
+    try:
+        records = parse_records(body, content_type)
+    except TypeError as exc:
+        return 415, {"error": "unsupported_media_type", "detail": str(exc)}
+    except ValueError as exc:
+        return 400, {"error": "malformed_body", "detail": str(exc)}
+    # Always 200 for a valid request, even when an approval failed: a non-2xx would make the sink
+    # retry and stall this VM's record stream behind an approver problem. Failures are logged,
+    # and the next copy of the record (from another VM, or a later update) gets another chance.
+    outcomes = approver.handle_many(records)
+    return 200, {"received": len(records), "outcomes": outcomes}
+
+
+def records_from_event_bodies(bodies: Iterable[bytes]) -> list[dict[str, Any]]:
+    """Event Hubs event bodies (one CloudEvents JSON each, or an array) -> records; bad ones logged."""
+    records: list[dict[str, Any]] = []
+    for body in bodies:
+        try:
+            parsed = json.loads(body)
+        except ValueError as exc:
+            log.warning("skipping an event that is not JSON: %s", exc)
+            continue
+        for item in parsed if isinstance(parsed, list) else [parsed]:
+            if isinstance(item, dict):
+                records.append(item)
+            else:
+                log.warning("skipping an event that is not a JSON object")
+    return records

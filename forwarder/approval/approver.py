@@ -1,0 +1,244 @@
+"""Every approval attempt — policy, hook, CLI, callback — goes through ``Approver.approve``.
+
+It re-reads the document from IMDS right before posting, so an approval never names an event
+that is gone or already Started, applies the scope rule, posts StartRequests, and reports every
+attempt, accepted or refused, as an audit entry (``approval.<outcome>`` record).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from forwarder.approval.settings import ApprovalConfig
+from forwarder.approval.scope import scope_refusal
+from forwarder.differ import Change
+from forwarder.document import parse_document
+from forwarder.errors import DocumentError, ImdsError
+from forwarder.identity import VmIdentity
+from forwarder.imds import ImdsClient
+from forwarder.sinkapi import Record
+from forwarder.state import atomic_write
+
+log = logging.getLogger(__name__)
+
+APPROVED = "approved"
+REFUSED = "refused"
+FAILED = "failed"
+HELD = "held"
+OUTCOMES = (APPROVED, REFUSED, FAILED, HELD)
+AUDIT_FIELDS = (
+    "EventId", "EventIds", "Outcome", "Actor", "Approver", "Rule", "Reason", "Detail", "Client",
+    "HttpStatus", "ImdsStatus", "Hook", "DocumentIncarnation",
+)
+MAX_PARALLEL_TASKS = 8
+
+
+def audit_entry(outcome: str, actor: str, reason: str, **fields: Any) -> dict[str, Any]:
+    """An audit entry with every field present (null when it does not apply)."""
+    entry: dict[str, Any] = {name: None for name in AUDIT_FIELDS}
+    entry.update(Outcome=outcome, Actor=actor, Reason=reason)
+    for key, value in fields.items():
+        if key not in AUDIT_FIELDS:
+            raise KeyError(f"unknown audit field {key!r}")
+        entry[key] = value
+    ids = entry["EventIds"]
+    if entry["EventId"] is None and ids and len(ids) == 1:
+        entry["EventId"] = ids[0]
+    return entry
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """What happened to one approval request (one or more EventIds)."""
+
+    outcome: str
+    reason: str
+    status: int  # the HTTP status a caller of the callback gets
+    approved: tuple[str, ...] = ()
+    already_approved: tuple[str, ...] = ()
+    refused: Mapping[str, str] = field(default_factory=dict)
+    detail: str = ""
+
+    def answer(self) -> dict[str, Any]:
+        """The JSON answer of the callback endpoint and of ``sefwd approve --json``."""
+        body: dict[str, Any] = {"status": self.outcome if self.outcome != APPROVED else "approved", "reason": self.reason}
+        if self.approved:
+            body["approved"] = list(self.approved)
+        if self.already_approved:
+            body["already_approved"] = list(self.already_approved)
+        if self.refused:
+            body["refused"] = dict(self.refused)
+        if self.detail:
+            body["detail"] = self.detail
+        return body
+
+
+class ApprovedLog:
+    """EventIds this VM approved, kept across restarts so a retry is answered "already approved"."""
+
+    def __init__(self, path: Path, keep: int = 1000) -> None:
+        self.path = path
+        self.keep = keep
+        self._ids: dict[str, float] = {}
+        try:
+            raw = orjson.loads(path.read_bytes())
+            self._ids = {str(k): float(v) for k, v in raw.items()}
+        except (OSError, ValueError, AttributeError, TypeError):
+            pass
+
+    def __contains__(self, event_id: object) -> bool:
+        return isinstance(event_id, str) and event_id.lower() in self._ids
+
+    def add(self, event_ids: Sequence[str]) -> None:
+        for event_id in event_ids:
+            self._ids[event_id.lower()] = time.time()
+        if len(self._ids) > self.keep:
+            self._ids = dict(sorted(self._ids.items(), key=lambda kv: kv[1])[-self.keep :])
+        try:
+            atomic_write(self.path, orjson.dumps(self._ids))
+        except OSError as exc:
+            log.warning("could not save %s: %s", self.path, exc)
+
+
+class Approver:
+    """Approves events after checking them against a fresh document, the scope, and what was done."""
+
+    def __init__(
+        self,
+        config: ApprovalConfig,
+        imds: ImdsClient,
+        vm: Callable[[], VmIdentity],
+        audit: Callable[[dict[str, Any]], None],
+        state_dir: Path,
+        stop: threading.Event,
+    ) -> None:
+        self.config = config
+        self.imds = imds
+        self.vm = vm
+        self.audit = audit
+        self.stop = stop
+        self.approved = ApprovedLog(state_dir / "approved.json")
+        self._lock = threading.Lock()  # one fresh GET + POST at a time
+        self._tasks = threading.BoundedSemaphore(MAX_PARALLEL_TASKS)
+        self.posts = 0
+
+    # -- the one way to approve ----------------------------------------------------------
+    def approve(
+        self,
+        event_ids: Sequence[str],
+        *,
+        actor: str,
+        approver: str | None = None,
+        rule: str | None = None,
+        client: str | None = None,
+        hook: dict[str, Any] | None = None,
+        scope: str | None = None,
+        reason: str | None = None,
+    ) -> Attempt:
+        """Approve all of ``event_ids`` or none of them; audited either way."""
+        ids = tuple(dict.fromkeys(event_ids))
+        common = dict(EventIds=list(ids), Approver=approver, Rule=rule, Client=client, Hook=hook)
+        with self._lock:
+            attempt, incarnation, imds_status = self._attempt(ids, scope or self.config.scope)
+        detail = attempt.detail or (reason or "")
+        self.audit(audit_entry(
+            attempt.outcome, actor, attempt.reason, Detail=detail or None, HttpStatus=attempt.status if actor == "callback" else None,
+            ImdsStatus=imds_status, DocumentIncarnation=incarnation, **common,
+        ))
+        level = logging.INFO if attempt.outcome == APPROVED else logging.WARNING
+        log.log(level, "approval by %s%s of %s: %s (%s)", actor, f" ({approver})" if approver else "", ", ".join(ids), attempt.outcome, attempt.reason)
+        return attempt
+
+    def _attempt(self, ids: tuple[str, ...], scope: str) -> tuple[Attempt, Any, int | None]:
+        if not ids:
+            return Attempt(REFUSED, "no_event_ids", 422), None, None
+        try:
+            fetch = self.imds.scheduled_events()
+            document = parse_document(fetch.body or b"")
+        except (ImdsError, DocumentError) as exc:
+            return Attempt(FAILED, "imds_unavailable", 503, detail=str(exc)), None, getattr(exc, "status", None)
+        events = {e.event_id.lower(): e for e in document.events}
+        vm = self.vm()
+        refused: dict[str, str] = {}
+        already: list[str] = []
+        to_post: list[str] = []
+        for event_id in ids:
+            event = events.get(event_id.lower())
+            if event is None:
+                refused[event_id] = "unknown_event"
+            elif event_id in self.approved:
+                already.append(event.event_id)
+            elif event.started:
+                refused[event_id] = "already_started"
+            elif (why := scope_refusal(event, vm, scope)) is not None:
+                refused[event_id] = f"out_of_scope:{why}"
+            else:
+                to_post.append(event.event_id)
+        if refused:
+            reasons = sorted({r.split(":", 1)[0] for r in refused.values()})
+            return Attempt(REFUSED, reasons[0] if len(reasons) == 1 else "several_reasons", 422, refused=refused), document.incarnation, None
+        if not to_post:
+            return Attempt(APPROVED, "already_approved", 200, already_approved=tuple(already)), document.incarnation, None
+        try:
+            self.posts += 1
+            self.imds.start_requests(to_post)
+        except ImdsError as exc:
+            return Attempt(FAILED, "imds_post_failed", 502, detail=str(exc)), document.incarnation, exc.status
+        self.approved.add(to_post)
+        return Attempt(APPROVED, "approved", 200, approved=tuple(to_post), already_approved=tuple(already)), document.incarnation, 200
+
+    # -- policy and hooks, driven by the poller's changes --------------------------------
+    def on_changes(self, changes: Sequence[Change], records: Sequence[Record]) -> None:
+        """Called by the poller after a commit; returns at once, work happens in task threads."""
+        for change, record in zip(changes, records, strict=True):
+            if self.config.hooks.get(change.kind) is None and not self._policy_applies(change):
+                continue
+            self._tasks.acquire()
+            threading.Thread(target=self._task, args=(change, record), name=f"approval-{change.event.event_id}", daemon=True).start()
+
+    def _policy_applies(self, change: Change) -> bool:
+        return change.kind in ("scheduled", "updated") and change.event.status == "Scheduled"
+
+    def _task(self, change: Change, record: Record) -> None:
+        try:
+            self._handle(change, record)
+        except Exception:  # never let a policy bug kill the agent
+            log.exception("approval task for %s failed", change.event.event_id)
+        finally:
+            self._tasks.release()
+
+    def _handle(self, change: Change, record: Record) -> None:
+        from forwarder.approval.hooks import run_hook
+        from forwarder.approval.policy import decide
+
+        event = change.event
+        decision = decide(self.config.rules, event, self.vm()) if self._policy_applies(change) else None
+        hook_result = None
+        command = self.config.hooks.get(change.kind)
+        if command is not None:
+            hook_result = run_hook(command, record.to_dict(), timeout=self.config.hook_timeout,
+                                   output_limit=self.config.hook_output_limit, stop=self.stop)
+            log.info("hook for %s %s: exit %s", change.kind, event.event_id, hook_result.exit_code)
+        if decision is None or decision.action == "ignore":
+            return
+        hook_audit = hook_result.to_audit() if hook_result is not None else None
+        if decision.action == "hold":
+            if change.kind == "scheduled":
+                self.audit(audit_entry(HELD, "policy", "rule_hold" if decision.rule else "no_matching_rule",
+                                       EventIds=[event.event_id], Rule=decision.rule, Hook=hook_audit,
+                                       Detail="left to a remote approver or to NotBefore"))
+            return
+        if decision.after_hooks and (hook_result is None or not hook_result.ok):
+            reason = "hook_failed" if hook_result is not None else "no_hook_configured"
+            self.audit(audit_entry(HELD, "hook", reason, EventIds=[event.event_id], Rule=decision.rule, Hook=hook_audit))
+            return
+        if decision.delay and self.stop.wait(decision.delay):
+            return
+        self.approve([event.event_id], actor="hook" if decision.after_hooks else "policy", rule=decision.rule, hook=hook_audit)

@@ -1,0 +1,441 @@
+"""Parse and validate the ``[approval]`` config table into an ApprovalConfig.
+
+Every problem is returned (not raised) so forwarder.config can report them together with the
+rest of the file's; each message names the key (``approval.rules[2].duration_min: ...``).
+"""
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from forwarder.approval.settings import ACTIONS, CHANGE_KINDS, SCOPES, ApprovalConfig, CallbackSettings, Rule
+from forwarder.signing import SignatureError, parse_secret
+from forwarder.units import format_duration, parse_duration, parse_size
+
+ENV_PREFIX = "SEFWD_APPROVAL_"
+# The keys of each table, in the order the example config shows them.
+APPROVAL_KEYS = ("scope", "hook_timeout", "hook_output_limit", "hooks", "rules", "callback")
+APPROVAL_ENV_KEYS = ("scope", "hook_timeout", "hook_output_limit")
+RULE_KEYS = (
+    "name", "event_type", "event_source", "event_status", "duration_min", "duration_max",
+    "affects_this_vm", "resources_min", "resources_max", "description", "action", "delay", "after_hooks",
+)
+CALLBACK_KEYS = (
+    "listen", "secret_env", "secret_file", "tls_cert", "tls_key", "max_body", "rate_limit",
+    "client_timeout", "tolerance",
+)
+# IMDS values are case-sensitive; a differently-cased spelling of one of these never matches.
+KNOWN_VALUES: dict[str, tuple[str, ...]] = {
+    "event_type": ("Reboot", "Redeploy", "Freeze", "Preempt", "Terminate"),
+    "event_source": ("Platform", "User"),
+    "event_status": ("Scheduled", "Started"),
+}
+MAX_HOOK_TIMEOUT = 86400.0
+MAX_HOOK_OUTPUT = 1024 * 1024
+MIN_MAX_BODY, MAX_MAX_BODY = 256, 1024 * 1024
+MAX_RATE_LIMIT = 10_000
+MAX_CLIENT_TIMEOUT = 300.0
+MIN_TOLERANCE, MAX_TOLERANCE = 1.0, 3600.0
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
+
+
+def _suggest(word: str, choices: Any) -> str:
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _unknown_keys(table: Mapping[str, Any], known: tuple[str, ...], where: str, problems: list[str]) -> None:
+    for key in table:
+        if key not in known:
+            problems.append(f"unknown key {where}.{key}{_suggest(str(key), known)}")
+
+
+def _int(value: Any) -> int:
+    # TOML booleans are ints to Python; a rule saying "duration_max = true" is a mistake.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _non_negative_int(value: Any) -> int:
+    number = _int(value)
+    if number < 0:
+        raise ValueError(f"must not be negative, got {value!r}")
+    return number
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _duration(low: float, high: float, *, low_inclusive: bool = True) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        seconds = parse_duration(value)
+        if (seconds < low) if low_inclusive else (seconds <= low):
+            word = "at least" if low_inclusive else "greater than"
+            raise ValueError(f"must be {word} {format_duration(low)}, got {value!r}")
+        if seconds > high:
+            raise ValueError(f"must be at most {format_duration(high)}, got {value!r}")
+        return seconds
+
+    return parse
+
+
+def _size(low: int, high: int) -> Callable[[Any], int]:
+    def parse(value: Any) -> int:
+        size = parse_size(value)
+        if not low <= size <= high:
+            raise ValueError(f"must be between {low} and {high} bytes, got {value!r}")
+        return size
+
+    return parse
+
+
+def _scope(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a string, got {value!r}")
+    text = value.strip().lower()
+    if text not in SCOPES:
+        raise ValueError(f"must be one of {', '.join(SCOPES)}, got {value!r}{_suggest(text, SCOPES)}")
+    return text
+
+
+def _strings(field: str) -> Callable[[Any], tuple[str, ...]]:
+    known = KNOWN_VALUES[field]
+
+    def parse(value: Any) -> tuple[str, ...]:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not items:
+            raise ValueError(f"expected a string or a non-empty list of strings, got {value!r}")
+        for item in items:
+            if not isinstance(item, str) or not item.strip():
+                raise ValueError(f"expected non-empty strings, got {item!r}")
+            if item not in known:
+                same = [k for k in known if k.lower() == item.strip().lower()]
+                if same:
+                    raise ValueError(f"IMDS values are case-sensitive: {item!r} never matches; write {same[0]!r}")
+        return tuple(items)
+
+    return parse
+
+
+def _regex(value: Any) -> re.Pattern[str]:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a regular expression string, got {value!r}")
+    try:
+        return re.compile(value)
+    except re.error as exc:
+        raise ValueError(f"invalid regular expression {value!r}: {exc}") from None
+
+
+def _action(value: Any) -> str:
+    if not isinstance(value, str) or value not in ACTIONS:
+        hint = _suggest(value, ACTIONS) if isinstance(value, str) else ""
+        raise ValueError(f"must be one of {', '.join(ACTIONS)}, got {value!r}{hint}")
+    return value
+
+
+_RULE_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "event_type": _strings("event_type"),
+    "event_source": _strings("event_source"),
+    "event_status": _strings("event_status"),
+    "duration_min": _int,
+    "duration_max": _int,
+    "affects_this_vm": _bool,
+    "resources_min": _non_negative_int,
+    "resources_max": _non_negative_int,
+    "description": _regex,
+    "action": _action,
+    "delay": _duration(0.0, MAX_HOOK_TIMEOUT),
+    "after_hooks": _bool,
+}
+
+
+def _parse_rule(index: int, entry: Any, have_hooks: bool, problems: list[str]) -> Rule | None:
+    where = f"approval.rules[{index}]"
+    if not isinstance(entry, Mapping):
+        problems.append(f"{where} must be a table ([[approval.rules]]), got {entry!r}")
+        return None
+    before = len(problems)
+    _unknown_keys(entry, RULE_KEYS, where, problems)
+    values: dict[str, Any] = {}
+    for key, parse in _RULE_PARSERS.items():
+        if key in entry:
+            try:
+                values[key] = parse(entry[key])
+            except ValueError as exc:
+                problems.append(f"{where}.{key}: {exc}")
+    name = entry.get("name", f"rules[{index}]")
+    if not isinstance(name, str) or not name.strip():
+        problems.append(f"{where}.name: expected a non-empty string, got {name!r}")
+    if "action" not in entry:
+        problems.append(f"{where}: missing 'action' (one of {', '.join(ACTIONS)})")
+    for low, high in (("duration_min", "duration_max"), ("resources_min", "resources_max")):
+        if low in values and high in values and values[low] > values[high]:
+            problems.append(f"{where}.{low}: {values[low]} is greater than {high} {values[high]}: the rule never matches")
+    if values.get("action", "approve") != "approve":
+        for key in ("delay", "after_hooks"):
+            if key in entry:
+                problems.append(f"{where}.{key}: only allowed with action = \"approve\" (this rule says {values['action']!r})")
+    if values.get("after_hooks") and not have_hooks:
+        problems.append(f"{where}.after_hooks: true, but [approval.hooks] configures no command to wait for")
+    if len(problems) > before:
+        return None
+    return Rule(name=name.strip(), **values)
+
+
+def _parse_rules(raw: Any, have_hooks: bool, problems: list[str]) -> tuple[Rule, ...]:
+    if not isinstance(raw, list):
+        problems.append("approval.rules must be an array of tables: write each rule as [[approval.rules]]")
+        return ()
+    rules: list[Rule] = []
+    seen: dict[str, int] = {}
+    for index, entry in enumerate(raw):
+        rule = _parse_rule(index, entry, have_hooks, problems)
+        if rule is None:
+            continue
+        # Audit records name the rule; two rules with one name would make them ambiguous.
+        if rule.name in seen:
+            problems.append(f"approval.rules[{index}].name: duplicate rule name {rule.name!r} (also rules[{seen[rule.name]}])")
+            continue
+        seen[rule.name] = index
+        rules.append(rule)
+    return tuple(rules)
+
+
+def _parse_hooks(raw: Any, problems: list[str]) -> dict[str, tuple[str, ...] | str]:
+    if not isinstance(raw, Mapping):
+        problems.append(f"approval.hooks must be a table ([approval.hooks]), got {raw!r}")
+        return {}
+    hooks: dict[str, tuple[str, ...] | str] = {}
+    for kind, command in raw.items():
+        where = f"approval.hooks.{kind}"
+        if kind not in CHANGE_KINDS:
+            problems.append(f"unknown change kind {where}{_suggest(str(kind), CHANGE_KINDS)} "
+                            f"(hooks are keyed by: {', '.join(CHANGE_KINDS)})")
+            continue
+        if isinstance(command, str):
+            if not command.strip():
+                problems.append(f"{where}: the command must not be empty")
+                continue
+            hooks[kind] = command
+        elif isinstance(command, list) and command and all(isinstance(a, str) for a in command):
+            if not command[0].strip():
+                problems.append(f"{where}: the program (first element) must not be empty")
+                continue
+            hooks[kind] = tuple(command)
+        else:
+            problems.append(f"{where}: expected a command string (run with /bin/sh -c) or a non-empty "
+                            f"list of strings (run without a shell), got {command!r}")
+    return hooks
+
+
+def parse_listen(value: Any) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` → (host, port); raises ValueError."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected \"host:port\" (for example \"127.0.0.1:8787\"), got {value!r}")
+    text = value.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":"):
+            raise ValueError(f"expected \"[ipv6]:port\", got {value!r}")
+        port_text = rest[1:]
+        try:
+            if ipaddress.ip_address(host).version != 6:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{host!r} in brackets is not an IPv6 address") from None
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep:
+            raise ValueError(f"missing the port: expected \"host:port\", got {value!r}")
+        if ":" in host:
+            raise ValueError(f"write an IPv6 address in brackets, as \"[::1]:8787\", got {value!r}")
+        if not host:
+            # Listening on every interface must be a visible decision, not an empty string.
+            raise ValueError(f"the host must be explicit (\"127.0.0.1:{port_text}\", or \"0.0.0.0:{port_text}\" "
+                             f"for every interface), got {value!r}")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not _HOSTNAME.match(host):
+                raise ValueError(f"{host!r} is not an IP address or host name") from None
+    if not port_text.isdigit():
+        raise ValueError(f"the port must be a number, got {port_text!r}")
+    port = int(port_text)
+    # Port 0 asks the OS for a free port (tests); the bound port is logged.
+    if not 0 <= port <= 65535:
+        raise ValueError(f"the port must be 0-65535, got {port}")
+    return host, port
+
+
+def _resolve(path_text: str, base_dir: Path | None) -> Path:
+    path = Path(os.path.expanduser(path_text))
+    if not path.is_absolute():
+        path = (base_dir or Path.cwd()) / path
+    return path
+
+
+def _readable_file(value: Any, base_dir: Path | None) -> Path:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected a file path, got {value!r}")
+    path = _resolve(value.strip(), base_dir)
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    return path
+
+
+def _parse_keys(text: str, where: str) -> tuple[bytes, ...]:
+    """Every ``whsec_`` secret in ``text`` (space-separated, for key rotation)."""
+    secrets = text.split()
+    if not secrets:
+        raise ValueError(f"{where} is empty")
+    keys: list[bytes] = []
+    for position, secret in enumerate(secrets, 1):
+        try:
+            keys.append(parse_secret(secret))
+        except SignatureError as exc:
+            which = f" (secret {position} of {len(secrets)})" if len(secrets) > 1 else ""
+            raise ValueError(f"{where}{which}: {exc}") from None
+    return tuple(keys)
+
+
+def _load_keys(table: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None,
+               problems: list[str]) -> tuple[bytes, ...] | None:
+    has_env, has_file = table.get("secret_env") is not None, table.get("secret_file") is not None
+    if has_env and has_file:
+        problems.append("approval.callback: secret_env and secret_file are exclusive: set only one")
+        return None
+    # Messages name the variable or file, never the secret: they end up in logs.
+    try:
+        if has_env:
+            name = table["secret_env"]
+            if not isinstance(name, str) or not name.strip():
+                raise ValueError(f"must name an environment variable, got {name!r}")
+            if name not in env:
+                raise ValueError(f"environment variable {name!r} is not set")
+            return _parse_keys(env[name], f"environment variable {name!r}")
+        if has_file:
+            path = _readable_file(table["secret_file"], base_dir)
+            try:
+                text = path.read_text(encoding="utf-8")
+            except UnicodeDecodeError:
+                raise ValueError(f"{str(path)!r} is not UTF-8 text") from None
+            return _parse_keys(text, f"file {str(path)!r}")
+    except ValueError as exc:
+        problems.append(f"approval.callback.{'secret_env' if has_env else 'secret_file'}: {exc}")
+        return None
+    problems.append("approval.callback: a secret is required: set secret_env (an environment variable "
+                    "holding whsec_... secrets) or secret_file (make one with: echo whsec_$(openssl rand -base64 32))")
+    return None
+
+
+_CALLBACK_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "max_body": _size(MIN_MAX_BODY, MAX_MAX_BODY),
+    "rate_limit": lambda v: _ranged_int(v, 1, MAX_RATE_LIMIT),
+    "client_timeout": _duration(0.0, MAX_CLIENT_TIMEOUT, low_inclusive=False),
+    "tolerance": _duration(MIN_TOLERANCE, MAX_TOLERANCE),
+}
+
+
+def _ranged_int(value: Any, low: int, high: int) -> int:
+    number = _int(value)
+    if not low <= number <= high:
+        raise ValueError(f"must be between {low} and {high}, got {value!r}")
+    return number
+
+
+def _parse_callback(raw: Any, env: Mapping[str, str], base_dir: Path | None,
+                    problems: list[str]) -> CallbackSettings | None:
+    if not isinstance(raw, Mapping):
+        problems.append(f"approval.callback must be a table ([approval.callback]), got {raw!r}")
+        return None
+    before = len(problems)
+    _unknown_keys(raw, CALLBACK_KEYS, "approval.callback", problems)
+    values: dict[str, Any] = {}
+    if "listen" not in raw:
+        problems.append("approval.callback: missing 'listen' (for example listen = \"127.0.0.1:8787\")")
+    else:
+        try:
+            values["host"], values["port"] = parse_listen(raw["listen"])
+        except ValueError as exc:
+            problems.append(f"approval.callback.listen: {exc}")
+    for key, parse in _CALLBACK_PARSERS.items():
+        if key in raw:
+            try:
+                values[key] = parse(raw[key])
+            except ValueError as exc:
+                problems.append(f"approval.callback.{key}: {exc}")
+    has_cert, has_key = raw.get("tls_cert") is not None, raw.get("tls_key") is not None
+    if has_cert != has_key:
+        missing, given = ("tls_key", "tls_cert") if has_cert else ("tls_cert", "tls_key")
+        problems.append(f"approval.callback.{missing}: required with {given} (set both or neither)")
+    for key in ("tls_cert", "tls_key"):
+        if raw.get(key) is not None:
+            try:
+                values[key] = _readable_file(raw[key], base_dir)
+            except ValueError as exc:
+                problems.append(f"approval.callback.{key}: {exc}")
+    keys = _load_keys(raw, env, base_dir, problems)
+    if len(problems) > before or keys is None:
+        return None
+    return CallbackSettings(keys=keys, **values)
+
+
+_FLAT_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "scope": _scope,
+    "hook_timeout": _duration(0.0, MAX_HOOK_TIMEOUT, low_inclusive=False),
+    "hook_output_limit": _size(0, MAX_HOOK_OUTPUT),
+}
+
+
+def parse_approval(
+    raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None
+) -> tuple[ApprovalConfig, list[str]]:
+    """Validate the ``[approval]`` table plus ``SEFWD_APPROVAL_*`` overrides; returns (config, problems).
+
+    The config is the default one whenever there are problems. Relative file paths resolve
+    against ``base_dir`` (the config file's directory), else the working directory.
+    """
+    problems: list[str] = []
+    if not isinstance(raw, Mapping):
+        return ApprovalConfig(), [f"approval must be a table ([approval]), got {raw!r}"]
+    _unknown_keys(raw, APPROVAL_KEYS, "approval", problems)
+    flat: dict[str, tuple[Any, str]] = {k: (raw[k], f"approval.{k}") for k in _FLAT_PARSERS if k in raw}
+    secret_var = raw.get("callback", {}).get("secret_env") if isinstance(raw.get("callback"), Mapping) else None
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var == secret_var:
+            continue
+        key = var[len(ENV_PREFIX):].lower()
+        if key not in APPROVAL_ENV_KEYS:
+            names = [f"{ENV_PREFIX}{k.upper()}" for k in APPROVAL_ENV_KEYS]
+            problems.append(f"unknown environment variable {var}: [approval] has no flat key {key!r}"
+                            f"{_suggest(var, names)}")
+        elif env[var] != "":  # empty means unset, as elsewhere
+            flat[key] = (env[var], f"environment {var}")
+    values: dict[str, Any] = {}
+    for key, (value, label) in flat.items():
+        try:
+            values[key] = _FLAT_PARSERS[key](value)
+        except ValueError as exc:
+            problems.append(f"{label}: {exc}")
+    hooks = _parse_hooks(raw["hooks"], problems) if "hooks" in raw else {}
+    # An invalid [approval.hooks] is reported on its own; do not pile after_hooks problems on it.
+    have_hooks = bool(hooks) or bool(raw.get("hooks"))
+    rules = _parse_rules(raw["rules"], have_hooks, problems) if "rules" in raw else ()
+    callback = _parse_callback(raw["callback"], env, base_dir, problems) if "callback" in raw else None
+    if problems:
+        return ApprovalConfig(), problems
+    return ApprovalConfig(rules=rules, hooks=hooks, callback=callback, **values), problems

@@ -1,0 +1,311 @@
+"""Run a local hook command for a change: the event in env vars, the record as JSON on stdin.
+
+Output (stdout and stderr together) is kept up to a limit; a hook that runs too long, or is
+still running when the agent stops, is terminated with its whole process group.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+log = logging.getLogger(__name__)
+
+KILL_GRACE = 5.0  # SIGTERM, then SIGKILL this much later
+# After the hook exits, a background child may still hold the output pipe open; stop reading soon.
+OUTPUT_GRACE = 0.5
+_CHUNK = 65536
+ENV_VALUE_LIMIT = 65536  # bytes of one SEFWD_* variable
+_TICK = 0.05
+
+
+@dataclass(frozen=True)
+class HookResult:
+    """How one hook run went; ``output`` is already cut to the configured limit."""
+
+    command: str
+    exit_code: int | None
+    timed_out: bool
+    output: str
+    duration: float
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out and self.error is None
+
+    def to_audit(self) -> dict[str, Any]:
+        """The ``Hook`` object of an approval.* record."""
+        return {
+            "Command": self.command,
+            "ExitCode": self.exit_code,
+            "TimedOut": self.timed_out,
+            "Output": self.output,
+            "DurationSeconds": round(self.duration, 3),
+            "Error": self.error,
+        }
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    # The environment cannot carry NUL bytes, nor one string over 128 KiB (exec fails with
+    # E2BIG); the whole record is on stdin anyway.
+    text = str(value).replace("\0", "")
+    if len(text) > ENV_VALUE_LIMIT // 4:
+        text = text.encode()[:ENV_VALUE_LIMIT].decode("utf-8", "ignore")
+    return text
+
+
+def hook_env(record: Mapping[str, Any]) -> dict[str, str]:
+    """The ``SEFWD_*`` variables describing the record's event."""
+    data = record.get("data")
+    if not isinstance(data, Mapping):
+        data = {}
+    resources = data.get("Resources")
+    affects = data.get("AffectsThisVm")
+    return {
+        "SEFWD_EVENT_ID": _text(data.get("EventId")),
+        "SEFWD_EVENT_TYPE": _text(data.get("EventType")),
+        "SEFWD_EVENT_STATUS": _text(data.get("EventStatus")),
+        "SEFWD_EVENT_SOURCE": _text(data.get("EventSource")),
+        "SEFWD_EVENT_RESOURCES": ",".join(_text(r) for r in resources) if isinstance(resources, list) else "",
+        "SEFWD_EVENT_NOT_BEFORE": _text(data.get("NotBefore")),
+        "SEFWD_EVENT_DURATION": _text(data.get("DurationInSeconds")),
+        "SEFWD_EVENT_DESCRIPTION": _text(data.get("Description")),
+        "SEFWD_CHANGE": _text(data.get("Change")),
+        "SEFWD_AFFECTS_THIS_VM": _text(affects) if isinstance(affects, bool) else "",
+        "SEFWD_RECORD_ID": _text(record.get("id")),
+        "SEFWD_RECORD_TYPE": _text(record.get("type")),
+    }
+
+
+def describe_command(command: Sequence[str] | str) -> str:
+    """The command as an operator would type it."""
+    return command if isinstance(command, str) else shlex.join(command)
+
+
+class _Output:
+    """The first ``limit`` bytes of a stream and a count of the rest (which is discarded)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = bytearray()
+        self.total = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.limit - len(self.kept)
+        if room > 0:
+            self.kept += chunk[:room]
+
+    def text(self) -> str:
+        text = bytes(self.kept).decode("utf-8", "replace")
+        cut = self.total - len(self.kept)
+        if cut > 0:
+            text += f"\n[... {cut} more bytes cut, {self.total} in all]"
+        return text
+
+
+def _signal_group(pgid: int, signum: int) -> bool:
+    try:
+        os.killpg(pgid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # macOS answers EPERM for a group of zombies
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    return _signal_group(pgid, 0)
+
+
+def _terminate_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the hook's process group, SIGKILL it if anything is left after KILL_GRACE."""
+    pgid = proc.pid  # start_new_session: the hook leads its own group
+    if not _signal_group(pgid, signal.SIGTERM):
+        proc.poll()
+        return
+    deadline = time.monotonic() + KILL_GRACE
+    while time.monotonic() < deadline:
+        try:
+            proc.wait(timeout=_TICK)
+        except subprocess.TimeoutExpired:
+            continue
+        # The leader is reaped; children of the group may still be running.
+        if not _group_alive(pgid) or _only_zombies(pgid):
+            return
+        threading.Event().wait(_TICK)
+    _signal_group(pgid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=KILL_GRACE)
+    except subprocess.TimeoutExpired:
+        log.warning("hook process %d did not exit after SIGKILL", proc.pid)
+
+
+def _only_zombies(pgid: int) -> bool:
+    """Whether every process left in the group is a zombie (orphans wait for init to reap them)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return False
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the parenthesised command: state ppid pgrp ...
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return False
+    return True
+
+
+def run_hook(
+    command: Sequence[str] | str,
+    record: Mapping[str, Any],
+    *,
+    timeout: float,
+    output_limit: int,
+    stop: threading.Event | None = None,
+    extra_env: Mapping[str, str] | None = None,
+) -> HookResult:
+    """Run ``command`` for ``record`` and report how it went; never raises."""
+    started = time.monotonic()
+    shown = ""
+    try:
+        shown = describe_command(command)
+        return _run(command, shown, record, timeout, output_limit, stop or threading.Event(), extra_env, started)
+    except Exception as exc:  # a hook must never take the approver thread down
+        log.exception("hook %s failed to run", shown)
+        return HookResult(shown, None, False, "", time.monotonic() - started, f"{type(exc).__name__}: {exc}")
+
+
+def _run(
+    command: Sequence[str] | str,
+    shown: str,
+    record: Mapping[str, Any],
+    timeout: float,
+    output_limit: int,
+    stop: threading.Event,
+    extra_env: Mapping[str, str] | None,
+    started: float,
+) -> HookResult:
+    argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
+    if not argv or not argv[0]:
+        return HookResult(shown, None, False, "", 0.0, "empty command")
+    env = dict(os.environ)
+    env.update(hook_env(record))
+    if extra_env:
+        env.update(extra_env)
+    stdin_data = orjson.dumps(record, default=str, option=orjson.OPT_NON_STR_KEYS) + b"\n"
+    try:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True, close_fds=True, bufsize=0,
+        )
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        return HookResult(shown, None, False, "", time.monotonic() - started, f"cannot run {argv[0]!r}: {reason}")
+    assert proc.stdin is not None and proc.stdout is not None
+    output = _Output(output_limit)
+    timed_out = False
+    error: str | None = None
+    sel = selectors.DefaultSelector()
+    try:
+        out_fd, in_fd = proc.stdout.fileno(), proc.stdin.fileno()
+        os.set_blocking(out_fd, False)
+        os.set_blocking(in_fd, False)
+        sel.register(out_fd, selectors.EVENT_READ)
+        sel.register(in_fd, selectors.EVENT_WRITE)
+        stdin_open = True
+        written = 0
+        deadline = started + timeout
+        exited_at: float | None = None
+        while True:
+            now = time.monotonic()
+            # Once the hook has exited it is never signalled: its process group id may be gone.
+            if proc.poll() is not None:
+                if out_fd not in sel.get_map():
+                    break
+                if exited_at is None:
+                    exited_at = now
+                elif now - exited_at >= OUTPUT_GRACE or stop.is_set():
+                    log.warning("hook %s exited but something it started still holds its output open", shown)
+                    break
+            elif stop.is_set():
+                error = "interrupted: the agent is stopping"
+                break
+            elif now >= deadline:
+                timed_out = True
+                break
+            for key, _ in sel.select(timeout=max(0.0, min(deadline - now, _TICK)) if exited_at is None else _TICK):
+                if key.fd == out_fd:
+                    try:
+                        chunk = os.read(out_fd, _CHUNK)
+                    except BlockingIOError:
+                        continue
+                    if chunk:
+                        output.add(chunk)
+                    else:
+                        sel.unregister(out_fd)
+                elif key.fd == in_fd:
+                    try:
+                        written += os.write(in_fd, stdin_data[written:])
+                    except BlockingIOError:
+                        continue
+                    except (BrokenPipeError, ConnectionResetError):
+                        written = len(stdin_data)  # the hook does not read stdin: fine
+                    if written >= len(stdin_data):
+                        sel.unregister(in_fd)
+                        proc.stdin.close()
+                        stdin_open = False
+        if stdin_open:
+            sel.unregister(in_fd)
+            _close(proc.stdin)
+        if timed_out or error is not None:
+            log.warning("hook %s %s; terminating its process group", shown, "timed out" if timed_out else "interrupted")
+            _terminate_group(proc)
+            _drain(out_fd, output)
+    finally:
+        sel.close()
+        _close(proc.stdout)
+        if proc.poll() is None and not timed_out and error is None:
+            # Only reached when something above raised: leave no hook behind.
+            _terminate_group(proc)
+    return HookResult(shown, proc.returncode, timed_out, output.text(), time.monotonic() - started, error)
+
+
+def _drain(fd: int, output: _Output) -> None:
+    """Whatever is already buffered in the pipe, without waiting for more."""
+    for _ in range(max(1, output.limit // _CHUNK + 2)):
+        try:
+            chunk = os.read(fd, _CHUNK)
+        except (BlockingIOError, OSError):
+            return
+        if not chunk:
+            return
+        output.add(chunk)
+
+
+def _close(stream: Any) -> None:
+    try:
+        stream.close()
+    except OSError:
+        pass

@@ -1,0 +1,56 @@
+"""The validated ``[approval]`` configuration (parsed by forwarder.approval.config)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCOPES = ("self", "leader", "any", "self_or_leader")
+ACTIONS = ("approve", "hold", "ignore")
+CHANGE_KINDS = ("scheduled", "started", "updated", "completed", "canceled")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One ``[[approval.rules]]`` entry; every match field left as None matches anything."""
+
+    name: str
+    action: str
+    event_type: tuple[str, ...] | None = None
+    event_source: tuple[str, ...] | None = None
+    event_status: tuple[str, ...] | None = None
+    duration_min: int | None = None
+    duration_max: int | None = None
+    affects_this_vm: bool | None = None
+    resources_min: int | None = None
+    resources_max: int | None = None
+    description: re.Pattern[str] | None = None
+    delay: float = 0.0
+    after_hooks: bool = False
+
+
+@dataclass(frozen=True)
+class CallbackSettings:
+    """``[approval.callback]``: the signed remote-approval endpoint."""
+
+    host: str
+    port: int
+    keys: tuple[bytes, ...] = field(repr=False)
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    max_body: int = 16 * 1024
+    rate_limit: int = 30  # requests per minute per client IP
+    client_timeout: float = 5.0
+    tolerance: float = 300.0
+
+
+@dataclass(frozen=True)
+class ApprovalConfig:
+    """Everything about approvals; the default approves nothing and listens nowhere."""
+
+    scope: str = "self_or_leader"
+    rules: tuple[Rule, ...] = ()
+    hooks: dict[str, tuple[str, ...] | str] = field(default_factory=dict)  # change kind -> argv or shell string
+    hook_timeout: float = 300.0
+    hook_output_limit: int = 4096
+    callback: CallbackSettings | None = None
