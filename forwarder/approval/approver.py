@@ -204,7 +204,8 @@ class Approver:
             threading.Thread(target=self._task, args=(change, record), name=f"approval-{change.event.event_id}", daemon=True).start()
 
     def _policy_applies(self, change: Change) -> bool:
-        return change.kind in ("scheduled", "updated") and change.event.status == "Scheduled"
+        """Rules decide about events still Scheduled; with no rules there is no policy at all."""
+        return bool(self.config.rules) and change.kind in ("scheduled", "updated") and change.event.status == "Scheduled"
 
     def _task(self, change: Change, record: Record) -> None:
         try:

@@ -1,0 +1,151 @@
+"""The signed approval callback of a real agent: every bad request is refused, audited, and never
+reaches IMDS; a valid request signed by the independent `standardwebhooks` package is one POST."""
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from datetime import datetime, timezone
+
+import orjson
+import pytest
+import requests
+from standardwebhooks.webhooks import Webhook
+
+from forwarder.emulator import Emulator
+from forwarder.signing import generate_secret, parse_secret, sign_headers
+from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+
+SECRET = generate_secret()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("callback")
+    port = free_port()
+    with Emulator(vms=["WestNO_0", "WestNO_1", "zzz"], rate_limit=None) as emu:
+        config = write_config(tmp / "c.toml", emu.vm_url("WestNO_0"), tmp / "state", extra=(
+            '[approval.callback]\n'
+            f'listen = "127.0.0.1:{port}"\nsecret_env = "CB_SECRET"\nmax_body = "4KiB"\nrate_limit = 600\n'
+            'client_timeout = "1s"\n'
+        ))
+        proc = AgentProcess(config, tmp / "a.log", env={"CB_SECRET": SECRET})
+        wait_until(lambda: read_jsonl(tmp / "out.jsonl"), 60, "agent up")
+        url = f"http://127.0.0.1:{port}/approvals"
+        wait_until(lambda: _reachable(port), 30, "callback listening")
+        yield {"emu": emu, "url": url, "out": tmp / "out.jsonl", "proc": proc, "config": config, "tmp": tmp}
+        proc.terminate()
+
+
+def _reachable(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def body_for(*ids: str, **extra: object) -> bytes:
+    return orjson.dumps({"StartRequests": [{"EventId": i} for i in ids], **extra})
+
+
+def signed(body: bytes, *, key: bytes | None = None, msg_id: str | None = None, now: float | None = None) -> dict[str, str]:
+    headers = sign_headers(key or parse_secret(SECRET), msg_id or f"msg_{uuid.uuid4().hex}", body, now=now)
+    headers["content-type"] = "application/json"
+    return headers
+
+
+def audits(out, n_before: int):
+    return [r for r in read_jsonl(out) if r["type"].startswith("approval.")][n_before:]
+
+
+def count_audits(out) -> int:
+    return len([r for r in read_jsonl(out) if r["type"].startswith("approval.")])
+
+
+def refused(agent, body: bytes, headers: dict[str, str], status: int, reason: str) -> None:
+    before = count_audits(agent["out"])
+    posts = len(agent["emu"].stats()["start_requests"])
+    answer = requests.post(agent["url"], data=body, headers=headers, timeout=10)
+    assert answer.status_code == status, answer.text
+    assert answer.json()["reason"].startswith(reason), answer.text
+    new = wait_until(lambda: audits(agent["out"], before), 30, f"audit of {reason}")
+    assert [a["type"] for a in new] == ["approval.refused"]
+    assert new[0]["data"]["Actor"] == "callback" and new[0]["data"]["Reason"].startswith(reason)
+    assert len(agent["emu"].stats()["start_requests"]) == posts, "no IMDS POST for a refused request"
+
+
+def test_bad_requests_are_refused_audited_and_never_posted(agent):
+    emu = agent["emu"]
+    event = emu.schedule(type="Freeze", duration=5, resources=["WestNO_0", "WestNO_1"], start_after=600)
+    wait_until(lambda: any(r.get("subject") == event for r in read_jsonl(agent["out"])), 30, "event seen")
+    good = body_for(event, approver="tests")
+    refused(agent, good, {**signed(good), "webhook-signature": "v1,AAAA"}, 401, "bad_signature")
+    refused(agent, good, signed(good, key=parse_secret(generate_secret())), 401, "bad_signature")
+    for missing in ("webhook-id", "webhook-timestamp", "webhook-signature"):
+        headers = signed(good)
+        del headers[missing]
+        refused(agent, good, headers, 401, "missing_headers")
+    refused(agent, good, signed(good, now=time.time() - 600), 401, "stale_timestamp")
+    refused(agent, good, signed(good, now=time.time() + 600), 401, "future_timestamp")
+    big = body_for(event, reason="x" * 5000)
+    refused(agent, big, signed(big), 413, "body_too_large")
+    bad_json = b'{"StartRequests": [{"EventId": '
+    refused(agent, bad_json, signed(bad_json), 400, "malformed_json")
+    unknown = body_for("00000000-0000-0000-0000-000000000000")
+    refused(agent, unknown, signed(unknown), 422, "unknown_event")
+    other_vm = emu.schedule(type="Reboot", resources=["zzz"], start_after=600)
+    not_mine = body_for(other_vm)
+    wait_until(lambda: any(r.get("subject") == other_vm for r in read_jsonl(agent["out"])), 30, "event seen")
+    refused(agent, not_mine, signed(not_mine), 422, "out_of_scope")
+    started = emu.schedule(type="Reboot", resources=["WestNO_0"], status="Started")
+    wait_until(lambda: any(r.get("subject") == started for r in read_jsonl(agent["out"])), 30, "event seen")
+    body = body_for(started)
+    refused(agent, body, signed(body), 422, "already_started")
+
+
+def test_standardwebhooks_signed_request_is_one_post_and_replay_is_refused(agent):
+    emu = agent["emu"]
+    event = emu.schedule(type="Freeze", duration=5, resources=["WestNO_0", "WestNO_1"], start_after=600)
+    wait_until(lambda: any(r.get("subject") == event for r in read_jsonl(agent["out"])), 30, "event seen")
+    payload = body_for(event, approver="change-board", reason="ticket 42").decode()
+    msg_id = f"msg_{uuid.uuid4().hex}"
+    signature = Webhook(SECRET).sign(msg_id, datetime.now(timezone.utc), payload)
+    headers = {"webhook-id": msg_id, "webhook-timestamp": str(int(time.time())), "webhook-signature": signature,
+               "content-type": "application/json"}
+    posts_before = len(emu.stats()["start_requests"])
+    answer = requests.post(agent["url"], data=payload, headers=headers, timeout=10)
+    assert answer.status_code == 200 and answer.json()["approved"] == [event]
+    posts = emu.stats()["start_requests"][posts_before:]
+    assert [p["event_ids"] for p in posts] == [[event]]
+    wait_until(lambda: any(r["type"] == "approval.approved" and r["subject"] == event for r in read_jsonl(agent["out"])),
+               30, "approval audited")
+    refused(agent, payload.encode(), headers, 409, "replayed_id")
+    again = body_for(event)
+    answer = requests.post(agent["url"], data=again, headers=signed(again), timeout=10)
+    assert answer.status_code == 200 and answer.json()["already_approved"] == [event]
+    assert len(emu.stats()["start_requests"]) == posts_before + 1
+    approved = [r for r in read_jsonl(agent["out"]) if r["type"] == "approval.approved" and r["subject"] == event]
+    assert approved[0]["data"]["Approver"] == "change-board" and approved[0]["data"]["Actor"] == "callback"
+
+
+def test_replay_cache_survives_a_restart(agent, tmp_path):
+    emu = agent["emu"]
+    event = emu.schedule(type="Freeze", duration=5, resources=["WestNO_0"], start_after=600)
+    wait_until(lambda: any(r.get("subject") == event for r in read_jsonl(agent["out"])), 30, "event seen")
+    body = body_for(event)
+    headers = signed(body)
+    assert requests.post(agent["url"], data=body, headers=headers, timeout=10).status_code == 200
+    wait_until(lambda: any(r["type"] == "approval.approved" and r["subject"] == event for r in read_jsonl(agent["out"])),
+               30, "approval audited")
+    assert agent["proc"].terminate() == 0
+    agent["proc"] = AgentProcess(agent["config"], agent["tmp"] / "a2.log", env={"CB_SECRET": SECRET})
+    port = int(agent["url"].split(":")[2].split("/")[0])
+    wait_until(lambda: _reachable(port), 60, "callback back")
+    refused(agent, body, headers, 409, "replayed_id")
