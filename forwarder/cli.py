@@ -9,6 +9,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -232,7 +233,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
     def audit(entry: dict[str, object]) -> None:
         # The running agent journals spooled entries; with no agent running, the next start does.
         spool.mkdir(parents=True, exist_ok=True)
-        atomic_write(spool / f"{uuid.uuid4()}.json", orjson.dumps(entry))
+        atomic_write(spool / f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json", orjson.dumps(entry))  # sorts by time
 
     imds = ImdsClient(config.imds.endpoint, config.imds.api_version, timeout=config.imds.timeout,
                       compute_api_version=config.imds.compute_api_version)
