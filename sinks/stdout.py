@@ -74,7 +74,10 @@ def _scheduled_event(event: dict[str, Any], data: dict[str, Any]) -> list[str]:
 def _key_fields(data: dict[str, Any]) -> list[str]:
     parts = []
     for key, value in data.items():
-        if key in _SKIPPED_FIELDS or isinstance(value, dict):
+        # Nulls, and an EventIds list that only repeats EventId, are noise on a human line.
+        if key in _SKIPPED_FIELDS or isinstance(value, dict) or value is None:
+            continue
+        if key == "EventIds" and value == [data.get("EventId")]:
             continue
         if key in _EVENT_ID_KEYS:
             shown = ",".join(_short_id(v) for v in value) if isinstance(value, list) else _short_id(value)

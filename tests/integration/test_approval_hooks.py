@@ -28,7 +28,7 @@ VM = VmIdentity(vm_id="vm-id-0", name="demo-vm-0", computer_name="demo-vm-0")
 def make_record(**fields: Any) -> dict[str, Any]:
     """A scheduledevent.scheduled record as the agent produces it."""
     raw = {
-        "EventId": "D3E0F5A7-0001-4C5D-9E8F-000000000001", "EventType": "Freeze", "ResourceType": "VirtualMachine",
+        "EventId": "A1F0E5A7-0001-4C5D-9E8F-000000000001", "EventType": "Freeze", "ResourceType": "VirtualMachine",
         "Resources": ["demo-vm-0", "demo-vm-1"], "EventStatus": "Scheduled", "NotBefore": "Sun, 22 Nov 2026 07:50:07 GMT",
         "Description": "Virtual machine is being paused because of a memory-preserving Live Migration operation.",
         "EventSource": "Platform", "DurationInSeconds": 5, **fields,
@@ -94,7 +94,7 @@ def test_env_vars_and_stdin(tmp_path: Path) -> None:
     assert orjson.loads(seen["stdin"]) == RECORD
     assert seen["extra"] == "yes" and seen["path"] == os.environ.get("PATH")
     assert seen["env"] == {
-        "SEFWD_EVENT_ID": "D3E0F5A7-0001-4C5D-9E8F-000000000001",
+        "SEFWD_EVENT_ID": "A1F0E5A7-0001-4C5D-9E8F-000000000001",
         "SEFWD_EVENT_TYPE": "Freeze",
         "SEFWD_EVENT_STATUS": "Scheduled",
         "SEFWD_EVENT_SOURCE": "Platform",

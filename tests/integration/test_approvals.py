@@ -165,7 +165,7 @@ def test_demo_shows_the_whole_approval_loop():
     done = sefwd("demo", "--json", timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [orjson.loads(line) for line in done.stdout.splitlines()]
-    freeze = "D3E0F5A7-0001-4C5D-9E8F-000000000001"
+    freeze = "A1F0E5A7-0001-4C5D-9E8F-000000000001"
     mine = [r["type"] for r in records if r.get("subject") == freeze]
     # The approval and the Started transition race (the POST makes IMDS start the event at once).
     assert mine[0] == "scheduledevent.scheduled" and mine[-1] == "scheduledevent.completed"

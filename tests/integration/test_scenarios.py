@@ -21,9 +21,9 @@ EXPECTED = {
     "canceled-maintenance": [("B2E4C6A8-1357-4D9F-8E2A-6C4B0D8F1A3E", ["scheduled", "canceled"])],
     "hardware-failure": [("0A1B2C3D-4E5F-4061-8273-94A5B6C7D8E9", ["started", "completed"])],
     "demo": [
-        ("D3E0F5A7-0001-4C5D-9E8F-000000000001", ["scheduled", "started", "completed"]),
-        ("D3E0F5A7-0002-4C5D-9E8F-000000000002", ["scheduled", "started", "completed"]),
-        ("D3E0F5A7-0003-4C5D-9E8F-000000000003", ["scheduled", "canceled"]),
+        ("A1F0E5A7-0001-4C5D-9E8F-000000000001", ["scheduled", "started", "completed"]),
+        ("B2D1C6E8-0002-4C5D-9E8F-000000000002", ["scheduled", "started", "completed"]),
+        ("C3E2D7F9-0003-4C5D-9E8F-000000000003", ["scheduled", "canceled"]),
     ],
 }
 
