@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from forwarder.approval.config import parse_approval
+from forwarder.approval.config import parse_approval, parse_listen
 from forwarder.approval.settings import ApprovalConfig
 from forwarder.errors import ConfigError
 from forwarder.units import format_duration, parse_duration, parse_size
@@ -93,6 +93,25 @@ class DeliveryConfig:
 
 
 @dataclass(frozen=True)
+class TelemetryConfig:
+    """The agent's own metrics: a Prometheus endpoint and/or export to Azure Monitor (both off by default)."""
+
+    listen: tuple[str, int] | None = None  # /metrics and /healthz
+    connection_string_env: str | None = None  # Azure Monitor export of the metrics
+    connection_string_file: str | None = None
+    unhealthy_after: float = 300.0  # /healthz is 503 once IMDS has failed for longer
+    export_interval: float = 60.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.listen is not None or self.azure_monitor
+
+    @property
+    def azure_monitor(self) -> bool:
+        return bool(self.connection_string_env or self.connection_string_file)
+
+
+@dataclass(frozen=True)
 class SinkConfig:
     """One configured sink; ``options`` holds every key but the common ones (type, name, max_age)."""
 
@@ -114,6 +133,7 @@ class Config:
     journal: JournalConfig = JournalConfig(max_size=256 * 1024 * 1024, segment_size=8 * 1024 * 1024, fsync=True)
     delivery: DeliveryConfig = DeliveryConfig(retry_initial=1.0, retry_max=60.0, retry_after_cap=300.0)
     approval: ApprovalConfig = ApprovalConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
 
 
 # -- value parsers: raw TOML value or env string -> parsed value, or ValueError ------------------
@@ -192,6 +212,21 @@ def _size(low: int) -> Callable[[Any], int]:
     return parse
 
 
+def _telemetry_listen(value: Any) -> tuple[str, int]:
+    # A bare port means loopback: exposing metrics beyond the host must be written out.
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    text = _string(value).strip()
+    return parse_listen(f"127.0.0.1:{text}" if text.isdigit() else text)
+
+
+def _nonempty(value: Any) -> str:
+    text = _string(value).strip()
+    if not text:
+        raise ValueError("must not be empty")
+    return text
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -206,8 +241,7 @@ class _Key:
     parse: Callable[[Any], Any]
 
 
-# The one place that says which flat sections and keys exist. Sections reserved for later issues
-# ("telemetry") become valid by adding one entry here; [approval] is nested (forwarder.approval.config).
+# The one place that says which flat sections and keys exist; [approval] is nested (forwarder.approval.config).
 SECTIONS: dict[str, dict[str, _Key]] = {
     "imds": {
         "endpoint": _Key("http://169.254.169.254", _endpoint),
@@ -235,6 +269,13 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "retry_initial": _Key("1s", _duration(0.0, low_inclusive=False)),
         "retry_max": _Key("60s", _duration(0.0, low_inclusive=False)),
         "retry_after_cap": _Key("5m", _duration(0.0)),
+    },
+    "telemetry": {
+        "listen": _Key(None, _telemetry_listen),
+        "connection_string_env": _Key(None, _nonempty),
+        "connection_string_file": _Key(None, _nonempty),
+        "unhealthy_after": _Key("5m", _duration(0.0, low_inclusive=False)),
+        "export_interval": _Key("60s", _duration(1.0)),
     },
 }
 # Nested tables with their own parsers, beside the flat SECTIONS.
@@ -340,6 +381,44 @@ def _missing_extra_hint(type_name: str) -> str:
     return f"; install it with: pip install 'scheduled-events-forwarder[{extra}]'" if extra else ""
 
 
+# What each telemetry feature imports, and the extra that brings it.
+_TELEMETRY_MODULES = {
+    "listen": ("opentelemetry.sdk.metrics", "opentelemetry.exporter.prometheus", "prometheus_client"),
+    "connection_string": ("opentelemetry.sdk.metrics", "azure.monitor.opentelemetry.exporter"),
+}
+
+
+def _module_missing(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is None
+    except (ImportError, ValueError):  # a parent package missing, or blocked in sys.modules
+        return True
+
+
+def _telemetry_problems(values: Mapping[str, Any], env: Mapping[str, str]) -> list[str]:
+    """[telemetry] problems; looks for its modules only when it is configured (no import otherwise)."""
+    problems = []
+    var, path = values.get("connection_string_env"), values.get("connection_string_file")
+    if var and path:
+        problems.append("telemetry: set only one of connection_string_env and connection_string_file")
+    elif var and not env.get(var, "").strip():
+        problems.append(f"telemetry.connection_string_env: environment variable {var} is not set")
+    elif path and not os.path.isfile(os.path.expanduser(path)):
+        problems.append(f"telemetry.connection_string_file: {path} is not a file")
+    wanted = []
+    if values.get("listen") is not None:
+        wanted.append("listen")
+    if values.get("connection_string_env") or values.get("connection_string_file"):
+        wanted.append("connection_string")
+    missing = sorted({m for w in wanted for m in _TELEMETRY_MODULES[w] if _module_missing(m)})
+    if missing:
+        problems.append(f"telemetry needs {', '.join(missing)}; install it with: "
+                        "pip install 'scheduled-events-forwarder[telemetry]'")
+    return problems
+
+
 def _check_sink_options(index: int, sink: SinkConfig, problems: list[str]) -> None:
     from forwarder.sinkapi import load_sink_factory
 
@@ -429,6 +508,7 @@ def parse_config(
     sinks = _parse_sinks(data, check_sinks, problems)
     approval, approval_problems = parse_approval(data.get("approval", {}), env, base_dir)
     problems.extend(approval_problems)
+    problems.extend(_telemetry_problems(parsed["telemetry"], env))
     if problems:
         raise ConfigError(problems)
     return Config(
@@ -440,6 +520,7 @@ def parse_config(
         journal=JournalConfig(**parsed["journal"]),
         delivery=DeliveryConfig(**parsed["delivery"]),
         approval=approval,
+        telemetry=TelemetryConfig(**parsed["telemetry"]),
     )
 
 
@@ -560,6 +641,14 @@ def describe(config: Config) -> str:
         f"{' (' + ', '.join(r.name for r in approval.rules) + ')' if approval.rules else ''}, "
         f"hooks: {', '.join(approval.hooks) or 'none'}, callback: {listen}"
     )
+    telemetry = config.telemetry
+    if telemetry.enabled:
+        where = f"{telemetry.listen[0]}:{telemetry.listen[1]}" if telemetry.listen else "off"
+        source = (f"env {telemetry.connection_string_env}" if telemetry.connection_string_env
+                  else f"file {telemetry.connection_string_file}" if telemetry.connection_string_file else "off")
+        lines.append(f"telemetry: /metrics and /healthz on {where}, Azure Monitor export {source} "
+                     f"(every {format_duration(telemetry.export_interval)}), unhealthy after "
+                     f"{format_duration(telemetry.unhealthy_after)} of IMDS failures")
     return "\n".join(lines)
 
 
@@ -623,6 +712,20 @@ retry_initial = "1s"
 retry_max = "60s"
 # A peer's Retry-After is honoured up to this long.
 retry_after_cap = "5m"
+
+# The agent's own metrics (off unless a key below is set): polls and their latency, IMDS errors by
+# status, detection-to-delivery latency, backlog and oldest-undelivered age, dead letters and
+# approvals per sink/outcome. Needs: pip install 'scheduled-events-forwarder[telemetry]'.
+# [telemetry]
+# # Prometheus text on http://HOST:PORT/metrics, and /healthz (503 once IMDS has failed for
+# # longer than unhealthy_after). A bare port listens on loopback; other hosts must be explicit.
+# listen = "127.0.0.1:9464"
+# # Also export the metrics to Azure Monitor (Application Insights, AppMetrics) every export_interval.
+# connection_string_env = "SEFWD_TELEMETRY_CONNECTION_STRING"
+# # ... or read it from a file instead:
+# connection_string_file = "/etc/sefwd/telemetry-connection-string"
+# unhealthy_after = "5m"
+# export_interval = "60s"
 
 # Sinks: one [[sinks]] table each. "type" picks the sink; "name" (default: the type) must be
 # unique and names the sink's dead-letter and state directories. "max_age" (optional, e.g.

@@ -14,6 +14,10 @@ def setup_logging(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    if level.lower() != "debug":
+        # The Azure SDKs log every HTTP request at INFO: noise for an agent that sends all day.
+        for name in ("azure", "urllib3"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class RateLimitedLog:

@@ -19,6 +19,7 @@ from forwarder.retry import Backoff
 from forwarder.sinkapi import Sink, SinkContext, load_sink_factory
 from forwarder.state import AgentState, StateStore
 from forwarder.status import StatusReporter
+from forwarder.telemetry import NO_TELEMETRY, NullTelemetry, create_telemetry
 
 log = logging.getLogger(__name__)
 SPOOL_DIR = "spool"
@@ -66,11 +67,12 @@ class Agent:
         self.poller: Poller | None = None
         self.approver: Any = None
         self.callback: Any = None
+        self.telemetry: NullTelemetry = NO_TELEMETRY
         self.ready = threading.Event()
 
     def _outbox(self) -> Dispatcher:
         cfg = self.config
-        sinks = build_sinks(cfg, self.stop, pretty=self.pretty)
+        sinks = self.telemetry.instrument_sinks(build_sinks(cfg, self.stop, pretty=self.pretty))
         journal = Journal(
             cfg.state.dir / "journal",
             segment_size=cfg.journal.segment_size,
@@ -151,12 +153,14 @@ class Agent:
                 backoff=Backoff(initial=0.5, maximum=5.0),
                 stop=self.stop,
             )
+            # Before the sinks are built, so they can be observed; a no-op unless [telemetry] is set.
+            telemetry = self.telemetry = create_telemetry(cfg.telemetry, cfg.state.dir)
             outbox = self._outbox()
             try:
                 vm = resolve_identity(imds, state)
                 factory = RecordFactory(vm, cfg.imds.api_version, sequence=state.sequence)
                 self.poller = poller = Poller(
-                    imds, store, state, factory, outbox,
+                    telemetry.instrument_imds(imds), store, state, factory, telemetry.instrument_outbox(outbox),
                     poll_interval=cfg.imds.poll_interval,
                     heartbeat=cfg.agent.heartbeat,
                     compute_refresh=cfg.imds.compute_refresh,
@@ -176,6 +180,8 @@ class Agent:
                 reporter = StatusReporter(cfg.state.dir, lambda: self.snapshot(outbox, poller), self.stop)
                 reporter.write()
                 reporter.start()
+                telemetry.bind(snapshot=outbox.snapshot, poller=poller)
+                telemetry.start()
                 self.ready.set()
                 poller.run()
                 if self.callback is not None:  # no new approvals once stopping
@@ -190,6 +196,7 @@ class Agent:
                 if self.approver is not None:
                     self.approver.imds.close()
                 outbox.close(cfg.agent.drain_timeout)
+                telemetry.stop()  # after the drain, so the last deliveries are counted
                 imds.close()
                 if self.poller is not None:
                     StatusReporter(cfg.state.dir, lambda: self.snapshot(outbox, poller), self.stop).write(stopped=True)

@@ -24,6 +24,9 @@ BUILTIN_SINKS: dict[str, str] = {
     "stdout": "sinks.stdout:StdoutSink",
     "file": "sinks.file:FileSink",
     "webhook": "sinks.webhook:WebhookSink",
+    "eventhubs": "sinks.eventhubs:EventHubsSink",
+    "loganalytics": "sinks.loganalytics:LogAnalyticsSink",
+    "appinsights": "sinks.appinsights:AppInsightsSink",
 }
 
 

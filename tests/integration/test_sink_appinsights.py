@@ -1,0 +1,257 @@
+"""The appinsights sink with the real azure-monitor-opentelemetry exporter against an HTTPS /v2.1/track peer."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("azure.monitor.opentelemetry.exporter")
+
+from forwarder.emulator import Emulator  # noqa: E402
+from forwarder.sinkapi import Ok, Record, Retry, SinkContext  # noqa: E402
+from sinks.appinsights import AppInsightsSink, event_properties  # noqa: E402
+from tests.agent import AgentProcess, read_jsonl, wait_until, write_config  # noqa: E402
+from tests.peers.appinsights_peer import IKEY, AppInsightsPeer, Answer  # noqa: E402
+
+# Keep the SDK's own phone-home features off the network in tests (they are documented env switches).
+QUIET_SDK_ENV = {
+    "APPLICATIONINSIGHTS_STATSBEAT_DISABLED_ALL": "true",
+    "APPLICATIONINSIGHTS_CONTROLPLANE_DISABLED": "true",
+    "APPLICATIONINSIGHTS_SDKSTATS_DISABLED": "true",
+}
+
+
+def _record(n: int, type_: str = "scheduledevent.scheduled") -> Record:
+    return Record.from_dict({
+        "specversion": "1.0", "id": f"id-{n}", "source": "/subscriptions/s/vm/web-0", "type": type_,
+        "subject": f"EVT-{n}", "time": "2026-01-02T03:04:05.678Z", "datacontenttype": "application/json",
+        "sequence": f"{n:020d}", "eventkey": f"EVT-{n}:scheduled",
+        "data": {"EventId": f"EVT-{n}", "EventType": "Reboot", "Resources": ["web-0", "web-1"],
+                 "DurationInSeconds": -1, "AffectsThisVm": True, "PreviousStatus": None,
+                 "Vm": {"Name": "web-0", "VmId": "abc"}},
+    })
+
+
+@pytest.fixture(autouse=True)
+def quiet_sdk(monkeypatch):
+    for name, value in QUIET_SDK_ENV.items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.fixture
+def peer(tmp_path):
+    with AppInsightsPeer(tmp_path) as p:
+        yield p
+
+
+@pytest.fixture
+def make_sink(tmp_path, peer, monkeypatch):
+    made = []
+
+    def make(**options):
+        monkeypatch.setenv("TEST_AI_CONN", peer.connection_string)
+        opts = {"connection_string_env": "TEST_AI_CONN", "ca_file": str(peer.ca_file), "timeout": "2s", **options}
+        sink = AppInsightsSink(opts, SinkContext(name="ai", state_dir=tmp_path / "state" / "sinks" / "ai"))
+        made.append(sink)
+        return sink
+
+    yield make
+    for sink in made:
+        sink.close()
+
+
+def test_each_record_becomes_one_custom_event(peer, make_sink):
+    sink = make_sink()
+    assert sink.send([_record(1), _record(2, "approval.approved")]) == Ok()
+    events = peer.wait_for_events(2)
+    assert len(events) == 2
+    first, second = events
+    assert first["name"] == "Microsoft.ApplicationInsights.Event" and first["iKey"] == IKEY
+    assert first["data"]["baseData"]["name"] == "scheduledevent.scheduled"
+    assert second["data"]["baseData"]["name"] == "approval.approved"
+    props = first["data"]["baseData"]["properties"]
+    assert props["id"] == "id-1" and props["subject"] == "EVT-1" and props["sequence"] == f"{1:020d}"
+    assert props["source"] == "/subscriptions/s/vm/web-0" and props["eventkey"] == "EVT-1:scheduled"
+    assert props["EventId"] == "EVT-1" and props["EventType"] == "Reboot"
+    assert props["Resources"] == '["web-0","web-1"]' and props["Vm"] == '{"Name":"web-0","VmId":"abc"}'
+    assert props["DurationInSeconds"] == "-1" and props["AffectsThisVm"] == "true"
+    assert "PreviousStatus" not in props and "specversion" not in props
+    # The event time is the record's time (when the agent saw the change).
+    assert first["time"].startswith("2026-01-02T03:04:05.678")
+    assert first["tags"]["ai.cloud.role"] == "scheduled-events-forwarder"
+
+
+def test_role_name_and_batching(peer, make_sink):
+    sink = make_sink(role_name="fleet-a", batch_size=2)
+    assert sink.max_batch == 2
+    assert sink.send([_record(1), _record(2)]) == Ok()
+    (request,) = peer.wait_for_requests(1)
+    assert len(request.envelopes) == 2
+    assert request.envelopes[0]["tags"]["ai.cloud.role"] == "fleet-a"
+
+
+@pytest.mark.parametrize("status", [500, 503, 429, 401, 403])
+def test_failure_is_retry_then_recovery_delivers_once(peer, make_sink, status):
+    sink = make_sink()
+    peer.queue(Answer(status, retry_after=1 if status == 429 else None))
+    batch = [_record(1), _record(2)]
+    result = sink.send(batch)
+    assert isinstance(result, Retry)
+    assert peer.events() == []
+    assert sink.send(batch) == Ok()
+    ids = [e["data"]["baseData"]["properties"]["id"] for e in peer.wait_for_events(2)]
+    assert ids == ["id-1", "id-2"]
+
+
+def test_partial_success_is_retried_whole(peer, make_sink):
+    sink = make_sink()
+    peer.queue(Answer(206, reject=[1]))
+    assert isinstance(sink.send([_record(1), _record(2)]), Retry)
+    assert sink.send([_record(1), _record(2)]) == Ok()
+    ids = [e["data"]["baseData"]["properties"]["id"] for e in peer.wait_for_events(3)]
+    assert ids == ["id-1", "id-1", "id-2"]  # at least once: the accepted one comes again
+
+
+def test_slow_peer_times_out_as_retry(peer, make_sink):
+    sink = make_sink(timeout="300ms")
+    peer.queue(Answer(200, delay=3))
+    assert isinstance(sink.send([_record(1)]), Retry)
+
+
+def test_peer_down_is_retry(tmp_path, make_sink, peer):
+    sink = make_sink()
+    peer.stop()
+    assert isinstance(sink.send([_record(1)]), Retry)
+
+
+def test_untrusted_certificate_is_retried_not_sent(peer, tmp_path, monkeypatch):
+    monkeypatch.setenv("TEST_AI_CONN", peer.connection_string)
+    monkeypatch.delenv("REQUESTS_CA_BUNDLE", raising=False)
+    sink = AppInsightsSink({"connection_string_env": "TEST_AI_CONN"}, SinkContext("ai", tmp_path / "s"))
+    try:
+        assert isinstance(sink.send([_record(1)]), Retry)
+    finally:
+        sink.close()
+    assert peer.requests == []
+
+
+def test_nothing_written_to_the_temp_dir(peer, tmp_path, monkeypatch):
+    """The SDK's offline storage defaults to the temp dir; the sink keeps it out of there."""
+    fake_tmp = tmp_path / "tmp"
+    fake_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(fake_tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # re-read TMPDIR
+    assert tempfile.gettempdir() == str(fake_tmp)
+    monkeypatch.delenv("APPLICATIONINSIGHTS_SDKSTATS_DISABLED")  # with every SDK feature on
+    monkeypatch.setenv("TEST_AI_CONN", peer.connection_string)
+    state = tmp_path / "state" / "sinks" / "ai"
+    sink = AppInsightsSink({"connection_string_env": "TEST_AI_CONN", "ca_file": str(peer.ca_file)},
+                           SinkContext("ai", state))
+    try:
+        peer.queue(500, 503, 429)
+        for _ in range(3):
+            assert isinstance(sink.send([_record(1)]), Retry)
+        assert sink.send([_record(1)]) == Ok()
+    finally:
+        sink.close()
+    assert list(fake_tmp.iterdir()) == []
+    assert sink.storage_dir.is_relative_to(state)
+
+
+def test_managed_identity_token_from_imds(tmp_path, monkeypatch):
+    with Emulator(vms=["web-0"]) as emu, AppInsightsPeer(tmp_path, require_bearer=True) as peer:
+        monkeypatch.setenv("AZURE_POD_IDENTITY_AUTHORITY_HOST", emu.url)
+        monkeypatch.setenv("TEST_AI_CONN", peer.connection_string)
+        sink = AppInsightsSink({"connection_string_env": "TEST_AI_CONN", "ca_file": str(peer.ca_file),
+                                "credential": "managed_identity"}, SinkContext("ai", tmp_path / "s"))
+        try:
+            assert sink.send([_record(1)]) == Ok()
+        finally:
+            sink.close()
+        assert emu.stats()["token_requests"] >= 1
+        (request,) = peer.wait_for_requests(1)
+        assert request.headers["authorization"].startswith("Bearer emulator-token.")
+        assert len(peer.events()) == 1
+
+
+def test_without_credential_an_entra_only_resource_is_retried(tmp_path, monkeypatch):
+    with AppInsightsPeer(tmp_path, require_bearer=True) as strict:
+        monkeypatch.setenv("TEST_AI_STRICT", strict.connection_string)
+        sink = AppInsightsSink({"connection_string_env": "TEST_AI_STRICT", "ca_file": str(strict.ca_file)},
+                               SinkContext("ai", tmp_path / "s"))
+        try:
+            assert isinstance(sink.send([_record(1)]), Retry)
+        finally:
+            sink.close()
+        assert strict.events() == [] and strict.requests[0].status == 401
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({}, "connection_string_env or connection_string_file"),
+    ({"connection_string_env": "NOPE_NOT_SET_XYZ"}, "NOPE_NOT_SET_XYZ"),
+    ({"connection_string_env": "TEST_AI_CONN", "credential": "password"}, "credential must be one of"),
+    ({"connection_string_env": "TEST_AI_CONN", "batch_size": 0}, "batch_size"),
+    ({"connection_string_env": "TEST_AI_CONN", "timeout": "0s"}, "timeout"),
+    ({"connection_string_env": "TEST_AI_CONN", "connection_string": "InstrumentationKey=x"}, "unknown option"),
+    ({"connection_string_env": "TEST_AI_CONN", "ca_file": "/nonexistent/ca.pem"}, "ca_file"),
+    ({"connection_string_env": "TEST_AI_BAD"}, "InstrumentationKey"),
+])
+def test_check_reports_problem(options, fragment, monkeypatch):
+    monkeypatch.setenv("TEST_AI_CONN", "InstrumentationKey=00000000-0000-0000-0000-000000000000")
+    monkeypatch.setenv("TEST_AI_BAD", "IngestionEndpoint=https://example.invalid/")
+    problems = AppInsightsSink.check(options)
+    assert any(fragment in p for p in problems), problems
+    with pytest.raises(ValueError):
+        AppInsightsSink(options, SinkContext("ai", Path("/nonexistent")))
+
+
+def test_check_never_echoes_the_connection_string(tmp_path):
+    path = tmp_path / "conn"
+    path.write_text("IngestionEndpoint=https://secret-host.example/;Foo=bar\n")
+    problems = AppInsightsSink.check({"connection_string_file": str(path)})
+    assert problems and not any("secret-host" in p for p in problems)
+
+
+def test_properties_do_not_clobber_attributes():
+    props = event_properties({"id": "a", "type": "t", "data": {"id": "inner", "X": 1.5}})
+    assert props == {"id": "a", "data.id": "inner", "X": "1.5"}
+
+
+# -- the real agent ------------------------------------------------------------------------------
+
+def test_agent_keeps_records_while_peer_is_down_then_delivers_once_in_order(tmp_path):
+    peer = AppInsightsPeer(tmp_path).start()
+    port = peer.port
+    peer.stop()  # down from the start; comes back on the same port
+    env = {**QUIET_SDK_ENV, "TEST_AI_CONN": f"InstrumentationKey={IKEY};IngestionEndpoint=https://127.0.0.1:{port}/"}
+    sinks = (f'[[sinks]]\ntype = "appinsights"\nname = "ai"\nconnection_string_env = "TEST_AI_CONN"\n'
+             f'ca_file = "{peer.ca_file}"\ntimeout = "2s"\n'
+             f'[[sinks]]\ntype = "file"\nname = "file"\npath = "{tmp_path / "out.jsonl"}"\n')
+    with Emulator(vms=["web-0"]) as emu:
+        config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state", sinks=sinks,
+                              extra='[delivery]\nretry_initial = "100ms"\nretry_max = "300ms"\n')
+        agent = AgentProcess(config, tmp_path / "agent.log", env=env)
+        try:
+            first = emu.schedule(type="Reboot", resources=["web-0"], start_after=600)
+            wait_until(lambda: any(r.get("subject") == first for r in read_jsonl(tmp_path / "out.jsonl")),
+                       60, "the scheduled record in the file sink")
+            emu.start_event(first)
+            wait_until(lambda: sum(r.get("subject") == first for r in read_jsonl(tmp_path / "out.jsonl")) >= 2,
+                       30, "the started record in the file sink")
+            wait_until(lambda: "export_failed" in agent.logs() or "Retrying" in agent.logs(), 30, "a failed export")
+            peer.start(port)
+            peer.queue(503, Answer(429, retry_after=0.2))  # a bumpy recovery
+            expected = [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")]
+            wait_until(lambda: {e["data"]["baseData"]["properties"]["id"] for e in peer.events()} >= set(expected),
+                       60, "every record in Application Insights")
+        finally:
+            assert agent.terminate() == 0
+            peer.stop()
+    ids = [e["data"]["baseData"]["properties"]["id"] for e in peer.events()]
+    assert len(ids) == len(set(ids)), "each record arrives once"
+    seqs = [int(e["data"]["baseData"]["properties"]["sequence"]) for e in peer.events()]
+    assert seqs == sorted(seqs), "in order"
+    names = [e["data"]["baseData"]["name"] for e in peer.events()]
+    assert "scheduledevent.scheduled" in names and "scheduledevent.started" in names
+    assert {r.status for r in peer.requests} >= {503, 429, 200}

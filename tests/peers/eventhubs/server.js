@@ -1,0 +1,418 @@
+'use strict';
+/*
+ * An Event Hubs AMQP 1.0 test peer on rhea: plain AMQP on 127.0.0.1, SASL ANONYMOUS/PLAIN, CBS
+ * put-token on $cbs, $management READ, and sender links to the hub whose batch transfers
+ * (message-format 0x80013700) it decodes into one stored event per Data section.
+ *
+ * A small HTTP control port (127.0.0.1) lets tests read what arrived and inject faults:
+ *   GET  /events            every stored event (JSON list)
+ *   GET  /stats             counters (connections, transfers, cbs, mgmt, ...)
+ *   POST /faults            JSON: {cbs_status, link_error, reject, delay_ms, count...} (see setFaults)
+ *   POST /reset             forget events and counters, clear faults
+ *   POST /down | /up        stop / resume listening for AMQP (open connections are dropped)
+ * On start it prints one JSON line: {"amqp_port": N, "control_port": M}.
+ *
+ * The SDK under test (azure-eventhub's pure-Python AMQP decoder) reads performative fields by
+ * position, so every composite this peer writes is sent at full length (trailing nulls kept):
+ * rhea's composite writer is wrapped before rhea loads. That changes the peer, never the SDK.
+ */
+
+const types = require('rhea/lib/types.js');
+
+// An absent field is written as its declared default (the same meaning), or as an explicit null.
+function defaultOf(field) {
+    let dv = field.default_value;
+    if (dv === undefined || field.multiple) return types.Null();
+    if (typeof dv === 'string' && /^[0-9]+$/.test(dv) && field.type !== 'string' && field.type !== 'symbol') dv = Number(dv);
+    const wrap = types['wrap_' + field.type];
+    return wrap ? wrap(dv) : types.Null();
+}
+
+function fullLength(c, def) {
+    const n = def.fields.length;
+    c.prototype.described = function () {
+        const v = this.value.slice();
+        for (let i = 0; i < n; i++) {
+            if (v[i] === undefined || v[i] === null) v[i] = defaultOf(def.fields[i]);
+        }
+        return types.described_nc(types.wrap_ulong(c.descriptor.numeric), types.wrap_list(v));
+    };
+    return c;
+}
+
+const defineComposite = types.define_composite;
+types.define_composite = function (def) {
+    return fullLength(defineComposite(def), def);
+};
+// The error composite was defined while types.js loaded: rebuild its wrapper the same way.
+const ErrorComposite = types.define_composite({
+    name: 'error',
+    code: 0x1d,
+    fields: [
+        { name: 'condition', type: 'symbol', mandatory: true },
+        { name: 'description', type: 'string' },
+        { name: 'info', type: 'map' },
+    ],
+});
+types.wrap_error = function (fields) {
+    return ErrorComposite.create(fields).described();
+};
+
+const rhea = require('rhea');
+const http = require('http');
+
+const BATCH_FORMAT = 0x80013700;
+
+function arg(name, fallback) {
+    const i = process.argv.indexOf('--' + name);
+    return i >= 0 && i + 1 < process.argv.length ? process.argv[i + 1] : fallback;
+}
+
+const HOST = '127.0.0.1';
+const HUB = arg('hub', 'hub1');
+const PARTITIONS = parseInt(arg('partitions', '4'), 10);
+const MAX_MESSAGE_SIZE = parseInt(arg('max-message-size', '1048576'), 10);
+const MAX_FRAME_SIZE = parseInt(arg('max-frame-size', '65536'), 10);
+const CREATED_AT = Date.now();
+
+let events = [];
+let stats = {};
+let faults = {};
+const connections = new Set();
+
+function resetStats() {
+    stats = {
+        connections: 0, tcp_connections: 0, sasl: {}, cbs_requests: 0, cbs_tokens: [],
+        mgmt_requests: 0, hub_links: 0, transfers: 0, events: 0, rejected: 0,
+        link_errors: 0, cbs_failures: 0, transfer_sizes: [],
+    };
+}
+
+function clearFaults() {
+    faults = {
+        cbs_status: null, cbs_count: -1, // answer put-token with this status (e.g. 401)
+        link_error: null, link_count: -1, // {condition, description}: refuse hub links (attach, then detach with it)
+        reject: null, reject_count: -1, // {condition, description}: reject transfers
+        delay_ms: 0, // wait this long before settling a transfer
+        silent: false, // accept TCP but never answer (a hung peer)
+    };
+}
+
+resetStats();
+clearFaults();
+
+// Take one use of a counted fault: count < 0 means forever.
+function use(countKey) {
+    const n = faults[countKey];
+    if (n === 0) return false;
+    if (n > 0) faults[countKey] = n - 1;
+    return true;
+}
+
+// Stable partition for a key (the real service has its own hash; tests only need "same key, same partition").
+function partitionFor(key) {
+    if (key === undefined || key === null) return null;
+    let h = 0;
+    for (const ch of Buffer.from(String(key), 'utf8')) h = (h * 31 + ch) >>> 0;
+    return String(h % PARTITIONS);
+}
+
+function plain(v) {
+    if (v === undefined || v === null) return null;
+    if (Buffer.isBuffer(v)) return { base64: v.toString('base64') };
+    if (v instanceof Date) return v.toISOString();
+    if (typeof v === 'bigint') return v.toString();
+    if (Array.isArray(v)) return v.map(plain);
+    if (typeof v === 'object') {
+        if (v.constructor === Object) {
+            const o = {};
+            for (const k of Object.keys(v)) o[k] = plain(v[k]);
+            return o;
+        }
+        if (typeof v.valueOf === 'function' && v.valueOf() !== v) return plain(v.valueOf());
+        return String(v);
+    }
+    return v;
+}
+
+function bodyBytes(msg) {
+    const b = msg.body;
+    if (b === undefined || b === null) return Buffer.alloc(0);
+    if (b.typecode === 0x75) {
+        return b.multiple ? Buffer.concat(b.content) : Buffer.from(b.content);
+    }
+    if (Buffer.isBuffer(b)) return b;
+    return Buffer.from(typeof b === 'string' ? b : JSON.stringify(b));
+}
+
+function storeEvent(inner, outer, context, size) {
+    const annotations = Object.assign({}, outer.message_annotations || {}, inner.message_annotations || {});
+    const key = annotations['x-opt-partition-key'];
+    const target = context.receiver.target ? context.receiver.target.address : null;
+    const m = /\/Partitions\/([^/]+)$/i.exec(target || '');
+    const body = bodyBytes(inner);
+    events.push({
+        seq: events.length,
+        connection: context.connection.options.id,
+        target: target,
+        partition_key: key === undefined ? null : String(key),
+        partition: m ? m[1] : partitionFor(key),
+        body: body.toString('utf8'),
+        body_base64: body.toString('base64'),
+        content_type: inner.content_type === undefined ? null : String(inner.content_type),
+        message_id: plain(inner.message_id),
+        correlation_id: plain(inner.correlation_id),
+        subject: plain(inner.subject),
+        application_properties: plain(inner.application_properties || {}),
+        message_annotations: plain(annotations),
+        transfer: stats.transfers,
+        transfer_size: size,
+    });
+    stats.events += 1;
+}
+
+function onHubTransfer(context) {
+    const delivery = context.delivery;
+    const raw = context.message;
+    const finish = () => {
+        if (faults.reject && use('reject_count')) {
+            stats.rejected += 1;
+            delivery.update(true, rhea.message.rejected({ error: faults.reject }).described());
+            return;
+        }
+        stats.transfers += 1;
+        let size = 0;
+        if (Buffer.isBuffer(raw)) {
+            size = raw.length;
+            const outer = rhea.message.decode(raw);
+            if (context.format === BATCH_FORMAT) {
+                const sections = outer.body && outer.body.multiple ? outer.body.content : [outer.body.content];
+                for (const data of sections) storeEvent(rhea.message.decode(Buffer.from(data)), outer, context, size);
+            } else {
+                storeEvent(outer, {}, context, size);
+            }
+        } else {
+            storeEvent(raw, {}, context, size);
+        }
+        stats.transfer_sizes.push(size);
+        delivery.update(true, rhea.message.accepted().described());
+    };
+    if (faults.delay_ms > 0) setTimeout(finish, faults.delay_ms);
+    else finish();
+}
+
+function reply(connection, address, request, status, description, body) {
+    const sender = connection.find_sender((s) => s.source && s.source.address === address && s.is_open());
+    if (!sender) return;
+    const msg = {
+        correlation_id: request.message_id,
+        application_properties: {
+            'status-code': types.wrap_int(status),
+            'status-description': description,
+            statusCode: types.wrap_int(status),
+            statusDescription: description,
+        },
+    };
+    if (body !== undefined) msg.body = body;
+    sender.send(msg);
+}
+
+function onCbs(context) {
+    const req = context.message;
+    const props = req.application_properties || {};
+    stats.cbs_requests += 1;
+    stats.cbs_tokens.push({ operation: props.operation, type: props.type, name: props.name, token_length: String(req.body || '').length, token: String(req.body || '').slice(0, 4096) });
+    let status = 202;
+    let text = 'Accepted';
+    if (faults.cbs_status && use('cbs_count')) {
+        status = faults.cbs_status;
+        text = status === 401 ? 'Unauthorized: the token is not valid' : 'Failed';
+        stats.cbs_failures += 1;
+    }
+    context.delivery.update(true, rhea.message.accepted().described());
+    reply(context.connection, '$cbs', req, status, text);
+}
+
+function onManagement(context) {
+    const req = context.message;
+    const props = req.application_properties || {};
+    stats.mgmt_requests += 1;
+    context.delivery.update(true, rhea.message.accepted().described());
+    const ids = [];
+    for (let i = 0; i < PARTITIONS; i++) ids.push(String(i));
+    if (props.name && props.name !== HUB) {
+        reply(context.connection, '$management', req, 404, `The messaging entity '${props.name}' could not be found.`);
+        return;
+    }
+    if (props.type === 'com.microsoft:eventhub') {
+        reply(context.connection, '$management', req, 200, 'OK', {
+            name: HUB,
+            type: 'com.microsoft:eventhub',
+            created_at: types.wrap_timestamp(CREATED_AT),
+            partition_count: types.wrap_int(PARTITIONS),
+            partition_ids: ids,
+        });
+    } else if (props.type === 'com.microsoft:partition') {
+        const pid = String(props.partition);
+        const mine = events.filter((e) => e.partition === pid);
+        reply(context.connection, '$management', req, 200, 'OK', {
+            name: HUB,
+            type: 'com.microsoft:partition',
+            partition: pid,
+            begin_sequence_number: types.wrap_long(0),
+            last_enqueued_sequence_number: types.wrap_long(mine.length - 1),
+            last_enqueued_offset: String(mine.length ? mine.length - 1 : -1),
+            last_enqueued_time_utc: types.wrap_timestamp(Date.now()),
+            is_partition_empty: mine.length === 0,
+        });
+    } else {
+        reply(context.connection, '$management', req, 400, `unsupported type ${props.type}`);
+    }
+}
+
+const container = rhea.create_container({ id: 'sefwd-eventhubs-peer', autoaccept: false });
+container.sasl_server_mechanisms.enable_anonymous();
+container.sasl_server_mechanisms.enable_plain(() => true);
+
+container.on('connection_open', (context) => {
+    stats.connections += 1;
+});
+container.on('disconnected', () => {});
+container.on('connection_close', () => {});
+container.on('error', () => {});
+
+function echoTermini(link) {
+    const src = link.source;
+    const tgt = link.target;
+    link.set_source({ address: src && src.address ? src.address : undefined });
+    link.set_target({ address: tgt && tgt.address ? tgt.address : undefined });
+}
+
+container.on('receiver_open', (context) => {
+    const receiver = context.receiver;
+    echoTermini(receiver);
+    const address = receiver.target ? receiver.target.address || '' : '';
+    if (address === '$cbs' || address === '$management') return;
+    stats.hub_links += 1;
+    receiver.local.attach.max_message_size = MAX_MESSAGE_SIZE;
+    if (faults.link_error && use('link_count')) {
+        stats.link_errors += 1;
+        receiver.refused = faults.link_error;
+        receiver.close(faults.link_error);
+    }
+});
+
+container.on('sender_open', (context) => {
+    echoTermini(context.sender);
+});
+
+container.on('message', (context) => {
+    if (context.receiver.refused) {
+        // We refused this link (a client may re-attach it under the same name): nothing it sends is taken.
+        context.delivery.update(true, rhea.message.rejected({ error: context.receiver.refused }).described());
+        return;
+    }
+    const address = context.receiver.target ? context.receiver.target.address || '' : '';
+    if (address === '$cbs') onCbs(context);
+    else if (address === '$management') onManagement(context);
+    else onHubTransfer(context);
+});
+
+// --- AMQP listener that can be taken down and brought back on the same port ---------------
+let server = null;
+let amqpPort = parseInt(arg('port', '0'), 10);
+const sockets = new Set();
+
+function listen(cb) {
+    server = container.listen({
+        port: amqpPort, host: HOST, max_frame_size: MAX_FRAME_SIZE, channel_max: 255,
+        idle_time_out: 0, container_id: 'sefwd-eventhubs-peer',
+    });
+    server.on('connection', (socket) => {
+        sockets.add(socket);
+        stats.tcp_connections += 1;
+        socket.on('close', () => sockets.delete(socket));
+        if (faults.silent) {
+            // A hung peer: swallow everything, answer nothing.
+            socket.removeAllListeners('data');
+            socket.pause();
+        }
+    });
+    server.once('listening', () => {
+        amqpPort = server.address().port;
+        cb();
+    });
+    server.once('error', (err) => {
+        console.error('listen error: ' + err.message);
+        cb(err);
+    });
+}
+
+function down(cb) {
+    if (!server) return cb();
+    const s = server;
+    server = null;
+    s.close(() => cb());
+    for (const socket of sockets) socket.destroy();
+}
+
+function setFaults(body) {
+    for (const k of Object.keys(body)) {
+        if (!(k in faults)) throw new Error('unknown fault ' + k);
+        faults[k] = body[k];
+    }
+}
+
+function readBody(req, cb) {
+    const chunks = [];
+    req.on('data', (c) => chunks.push(c));
+    req.on('end', () => {
+        const text = Buffer.concat(chunks).toString('utf8');
+        cb(text ? JSON.parse(text) : {});
+    });
+}
+
+const control = http.createServer((req, res) => {
+    const send = (status, obj) => {
+        const data = JSON.stringify(obj);
+        res.writeHead(status, { 'content-type': 'application/json' });
+        res.end(data);
+    };
+    try {
+        if (req.method === 'GET' && req.url === '/events') return send(200, events);
+        if (req.method === 'GET' && req.url === '/stats') {
+            return send(200, Object.assign({}, stats, { open_connections: sockets.size, up: server !== null, amqp_port: amqpPort, faults: faults }));
+        }
+        if (req.method === 'POST') {
+            return readBody(req, (body) => {
+                try {
+                    if (req.url === '/faults') { setFaults(body); return send(200, faults); }
+                    if (req.url === '/reset') { events = []; resetStats(); clearFaults(); return send(200, {}); }
+                    if (req.url === '/down') return down(() => send(200, { up: false }));
+                    if (req.url === '/up') {
+                        if (server) return send(200, { up: true });
+                        return listen((err) => send(err ? 500 : 200, { up: !err, error: err ? err.message : null }));
+                    }
+                    send(404, { error: 'not found' });
+                } catch (e) {
+                    send(400, { error: e.message });
+                }
+            });
+        }
+        send(404, { error: 'not found' });
+    } catch (e) {
+        send(500, { error: e.message });
+    }
+});
+
+listen((err) => {
+    if (err) process.exit(2);
+    const startDown = process.argv.includes('--down');
+    const ready = () => control.listen(parseInt(arg('control-port', '0'), 10), HOST, () => {
+        process.stdout.write(JSON.stringify({ amqp_port: amqpPort, control_port: control.address().port }) + '\n');
+    });
+    if (startDown) down(ready); else ready();
+});
+
+process.on('SIGTERM', () => process.exit(0));
+process.on('SIGINT', () => process.exit(0));

@@ -1,0 +1,136 @@
+"""Start the Node.js Event Hubs AMQP peer (tests/peers/eventhubs/server.js) and talk to its control port.
+
+The peer needs ``node`` and its npm dependencies: ``npm ci --prefix tests/peers/eventhubs``
+(``tests/peers/eventhubs/install.sh``). ``EventHubsPeer.available()`` says whether both are there.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+PEER_DIR = Path(__file__).resolve().parent / "eventhubs"
+SERVER = PEER_DIR / "server.js"
+
+# Error conditions the real service uses.
+SERVER_BUSY = "com.microsoft:server-busy"
+RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
+
+
+class EventHubsPeer:
+    """One ``node server.js`` process: an AMQP listener on 127.0.0.1 plus an HTTP control port."""
+
+    def __init__(self, *, hub: str = "hub1", partitions: int = 4, max_message_size: int = 1024 * 1024,
+                 down: bool = False, log: Path | None = None) -> None:
+        self.hub = hub
+        args = ["node", str(SERVER), "--hub", hub, "--partitions", str(partitions),
+                "--max-message-size", str(max_message_size)]
+        if down:
+            args.append("--down")
+        self._log = open(log, "ab") if log is not None else subprocess.DEVNULL
+        self.proc = subprocess.Popen(args, cwd=str(PEER_DIR), stdout=subprocess.PIPE,
+                                     stderr=self._log, stdin=subprocess.DEVNULL)
+        line = self._first_line(timeout=20.0)
+        ports = json.loads(line)
+        self.port: int = ports["amqp_port"]
+        self.control_port: int = ports["control_port"]
+
+    @staticmethod
+    def available() -> str | None:
+        """Why the peer cannot run here (no node, no rhea), or None when it can."""
+        if shutil.which("node") is None:
+            return "node is not installed"
+        if not (PEER_DIR / "node_modules" / "rhea").is_dir():
+            return "rhea is not installed: run npm ci --prefix tests/peers/eventhubs"
+        return None
+
+    def _first_line(self, timeout: float) -> bytes:
+        assert self.proc.stdout is not None
+        box: list[bytes] = []
+        reader = threading.Thread(target=lambda: box.append(self.proc.stdout.readline()), daemon=True)  # type: ignore[union-attr]
+        reader.start()
+        reader.join(timeout)
+        if not box or not box[0].strip():
+            self.close()
+            raise RuntimeError(f"eventhubs peer did not start within {timeout}s (exit code {self.proc.poll()})")
+        return box[0]
+
+    # -- addresses ---------------------------------------------------------------------------
+    def connection_string(self, *, entity: bool = True) -> str:
+        """An emulator connection string (plain AMQP to this peer's port)."""
+        cs = (f"Endpoint=sb://127.0.0.1:{self.port};SharedAccessKeyName=RootManageSharedAccessKey;"
+              "SharedAccessKey=SAS_KEY_VALUE;UseDevelopmentEmulator=true")
+        return cs + (f";EntityPath={self.hub}" if entity else "")
+
+    # -- control port ------------------------------------------------------------------------
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        data = json.dumps(body or {}).encode() if method == "POST" else None
+        req = urllib.request.Request(f"http://127.0.0.1:{self.control_port}{path}", data=data, method=method,
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def events(self) -> list[dict[str, Any]]:
+        """Every event received so far, in arrival order (one per Data section of a batch)."""
+        return list(self._call("GET", "/events"))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: connections, tcp_connections, open_connections, cbs_requests, transfers, events, ..."""
+        return dict(self._call("GET", "/stats"))
+
+    def faults(self, **faults: Any) -> None:
+        """Inject faults: cbs_status/cbs_count, link_error/link_count, reject/reject_count, delay_ms, silent."""
+        self._call("POST", "/faults", faults)
+
+    def clear_faults(self) -> None:
+        self._call("POST", "/faults", {"cbs_status": None, "link_error": None, "reject": None,
+                                       "delay_ms": 0, "silent": False})
+
+    def reset(self) -> None:
+        """Forget events and counters and clear faults."""
+        self._call("POST", "/reset")
+
+    def down(self) -> None:
+        """Stop listening and drop every AMQP connection (stored events stay)."""
+        self._call("POST", "/down")
+
+    def up(self) -> None:
+        """Listen again on the same port."""
+        self._call("POST", "/up")
+
+    def wait_events(self, n: int, timeout: float = 10.0,
+                    predicate: Callable[[list[dict[str, Any]]], bool] | None = None) -> list[dict[str, Any]]:
+        """Poll until at least ``n`` events arrived (and ``predicate`` holds), or fail."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.events()
+            if len(got) >= n and (predicate is None or predicate(got)):
+                return got
+            if time.monotonic() > deadline:
+                raise AssertionError(f"peer got {len(got)} events, expected {n} within {timeout}s")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()  # type: ignore[union-attr]
+
+    def __enter__(self) -> EventHubsPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
