@@ -166,12 +166,16 @@ class EventHubsSink:
         self._fqns: str | None = fqns.strip().rstrip("/") if isinstance(fqns, str) else None
         self._options = dict(options)
         self._client_options = dict(client_options or {})
+        self._credential: Any = None  # one managed identity credential for every producer: it caches tokens
         self._producer: EventHubProducerClient | None = None
         self._stuck: _Attempt | None = None
         self._lock = threading.Lock()
         self._logged: set[str] = set()
-        where = f"{self._fqns}/{self._eventhub}" if self._fqns else self._eventhub or "the connection string's hub"
-        self._where = where
+        if self._conn_str is not None:  # for log lines: the namespace and hub, never the key
+            props = parse_connection_string(self._conn_str)
+            self._where = f"{props.fully_qualified_namespace}/{self._eventhub or props.eventhub_name}"
+        else:
+            self._where = f"{self._fqns}/{self._eventhub}"
 
     @classmethod
     def check(cls, options: Mapping[str, Any]) -> list[str]:
@@ -248,8 +252,9 @@ class EventHubsSink:
             if self._eventhub:
                 kwargs["eventhub_name"] = self._eventhub
             return EventHubProducerClient.from_connection_string(self._conn_str, **kwargs)
-        credential = managed_identity_credential(self._options)
-        return EventHubProducerClient(str(self._fqns), str(self._eventhub), credential, **kwargs)
+        if self._credential is None:
+            self._credential = managed_identity_credential(self._options)
+        return EventHubProducerClient(str(self._fqns), str(self._eventhub), self._credential, **kwargs)
 
     # -- sending --------------------------------------------------------------------------------
     def send(self, batch: Sequence[Record]) -> Result:
@@ -382,3 +387,5 @@ class EventHubsSink:
             closer = threading.Thread(target=_close_quietly, args=(producer,), name="eventhubs-close", daemon=True)
             closer.start()
             closer.join(self.timeout)
+        if self._credential is not None:
+            self._credential.close()

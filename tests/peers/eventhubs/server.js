@@ -82,7 +82,7 @@ const connections = new Set();
 
 function resetStats() {
     stats = {
-        connections: 0, tcp_connections: 0, sasl: {}, cbs_requests: 0, cbs_tokens: [],
+        connections: 0, tcp_connections: 0, cbs_requests: 0, cbs_tokens: [],
         mgmt_requests: 0, hub_links: 0, transfers: 0, events: 0, rejected: 0,
         link_errors: 0, cbs_failures: 0, transfer_sizes: [],
     };
