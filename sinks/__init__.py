@@ -8,10 +8,12 @@ types it needs are re-exported here so it can write ``from sinks import Record, 
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, Sink, SinkContext
+from forwarder.units import parse_duration
 
 __all__ = [
     "Ok", "Record", "Reject", "Result", "Retry", "Sink", "SinkContext",
@@ -49,4 +51,39 @@ def check_bool(options: Mapping[str, Any], key: str) -> list[str]:
     """A problem if ``key`` is present and not a boolean."""
     if key in options and not isinstance(options[key], bool):
         return [f"option {key!r} must be true or false, got {options[key]!r}"]
+    return []
+
+
+def check_int_range(options: Mapping[str, Any], key: str, low: int, high: int) -> list[str]:
+    """A problem if ``key`` is set but not an integer in [low, high]."""
+    if key not in options:
+        return []
+    value = options[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        return [f"option {key!r} must be an integer from {low} to {high}, got {value!r}"]
+    return []
+
+
+def check_positive_duration(options: Mapping[str, Any], key: str) -> list[str]:
+    """A problem if ``key`` is set but not a duration greater than zero."""
+    if key not in options:
+        return []
+    try:
+        if parse_duration(options[key]) <= 0:
+            return [f"option {key!r} must be greater than zero"]
+    except ValueError as exc:
+        return [f"option {key!r}: {exc}"]
+    return []
+
+
+def check_readable_file(options: Mapping[str, Any], key: str) -> list[str]:
+    """A problem if ``key`` is set but does not name a readable file."""
+    value = options.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, str) or not value.strip():
+        return [f"option {key!r} must be a file path, got {value!r}"]
+    path = os.path.expanduser(value)
+    if not os.path.isfile(path) or not os.access(path, os.R_OK):
+        return [f"option {key!r}: {value} is not a readable file"]
     return []

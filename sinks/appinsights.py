@@ -35,7 +35,7 @@ from opentelemetry.sdk.resources import Resource
 
 from forwarder.sinkapi import Ok, Record, Result, Retry, SinkContext
 from forwarder.units import parse_duration
-from sinks import unknown_options
+from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import check_credential_options, managed_identity_credential, read_secret_text
 
 log = logging.getLogger(__name__)
@@ -87,16 +87,6 @@ def _timestamp_ns(event: Mapping[str, Any]) -> int:
             pass
     return time.time_ns()
 
-
-def _check_positive_duration(options: Mapping[str, Any], key: str) -> list[str]:
-    if key not in options:
-        return []
-    try:
-        if parse_duration(options[key]) <= 0:
-            return [f"option {key!r} must be greater than zero"]
-    except ValueError as exc:
-        return [f"option {key!r}: {exc}"]
-    return []
 
 
 def _check_connection_string(text: str) -> list[str]:
@@ -173,19 +163,12 @@ class AppInsightsSink:
                 problems.append("set connection_string_env or connection_string_file (never the string inline)")
             else:
                 problems += _check_connection_string(text)
-        if "batch_size" in options:
-            size = options["batch_size"]
-            if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_BATCH:
-                problems.append(f"option 'batch_size' must be an integer from 1 to {MAX_BATCH}, got {size!r}")
-        problems += _check_positive_duration(options, "timeout")
+        problems += check_int_range(options, "batch_size", 1, MAX_BATCH)
+        problems += check_positive_duration(options, "timeout")
         role = options.get("role_name")
         if role is not None and (not isinstance(role, str) or not role.strip()):
             problems.append(f"option 'role_name' must be a non-empty string, got {role!r}")
-        ca_file = options.get("ca_file")
-        if ca_file is not None:
-            path = os.path.expanduser(str(ca_file)) if isinstance(ca_file, str) else ""
-            if not path or not os.path.isfile(path) or not os.access(path, os.R_OK):
-                problems.append(f"option 'ca_file': {ca_file!r} is not a readable file")
+        problems += check_readable_file(options, "ca_file")
         return problems
 
     def _log_record(self, record: Record) -> ReadableLogRecord:

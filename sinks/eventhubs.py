@@ -41,7 +41,7 @@ from azure.eventhub.exceptions import (
 
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
 from forwarder.units import parse_duration
-from sinks import unknown_options
+from sinks import check_int_range, check_positive_duration, unknown_options
 from sinks.azure_common import (
     check_credential_options,
     managed_identity_credential,
@@ -218,16 +218,8 @@ class EventHubsSink:
         mode = options.get("mode", "structured")
         if mode not in MODES:
             problems.append(f"option 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
-        if "max_batch" in options:
-            size = options["max_batch"]
-            if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_BATCH:
-                problems.append(f"option 'max_batch' must be an integer from 1 to {MAX_BATCH}, got {size!r}")
-        if "timeout" in options:
-            try:
-                if parse_duration(options["timeout"]) <= 0:
-                    problems.append("option 'timeout' must be greater than zero")
-            except ValueError as exc:
-                problems.append(f"option 'timeout': {exc}")
+        problems += check_int_range(options, "max_batch", 1, MAX_BATCH)
+        problems += check_positive_duration(options, "timeout")
         return problems
 
     # -- building events -----------------------------------------------------------------------

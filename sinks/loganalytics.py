@@ -42,7 +42,7 @@ from forwarder.logutil import RateLimitedLog
 from forwarder.retry import parse_retry_after
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
 from forwarder.units import parse_duration
-from sinks import unknown_options
+from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import check_credential_options, managed_identity_credential
 from sinks.la_schema import STREAM, to_row
 
@@ -169,22 +169,9 @@ class LogAnalyticsSink:
             problems.append(f"option 'audience' must be an https:// URL like {DEFAULT_AUDIENCE}, got {audience!r}")
         # The credential defaults to managed_identity here, so client_id alone is fine.
         problems += check_credential_options({"credential": "managed_identity", **options})
-        if "timeout" in options:
-            try:
-                if parse_duration(options["timeout"]) <= 0:
-                    problems.append("option 'timeout' must be greater than zero")
-            except ValueError as exc:
-                problems.append(f"option 'timeout': {exc}")
-        if "max_batch" in options:
-            size = options["max_batch"]
-            if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_BATCH:
-                problems.append(f"option 'max_batch' must be an integer from 1 to {MAX_BATCH}, got {size!r}")
-        ca_file = options.get("ca_file")
-        if ca_file is not None:
-            if not isinstance(ca_file, str) or not ca_file.strip():
-                problems.append(f"option 'ca_file' must be a file path, got {ca_file!r}")
-            elif not os.access(os.path.expanduser(ca_file), os.R_OK) or not os.path.isfile(os.path.expanduser(ca_file)):
-                problems.append(f"option 'ca_file': {ca_file} is not a readable file")
+        problems += check_positive_duration(options, "timeout")
+        problems += check_int_range(options, "max_batch", 1, MAX_BATCH)
+        problems += check_readable_file(options, "ca_file")
         return problems
 
     # -- sending ----------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from forwarder.retry import is_retryable_status, parse_retry_after
 from forwarder.signing import load_secret, sign_headers
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
 from forwarder.units import parse_duration
-from sinks import check_bool, unknown_options
+from sinks import check_bool, check_int_range, check_positive_duration, check_readable_file, unknown_options
 
 log = logging.getLogger(__name__)
 
@@ -167,28 +167,15 @@ class WebhookSink:
         problems = unknown_options(options, cls.OPTIONS)
         problems += check_bool(options, "insecure_http")
         problems += _check_url(options)
-        if "timeout" in options:
-            try:
-                if parse_duration(options["timeout"]) <= 0:
-                    problems.append("option 'timeout' must be greater than zero")
-            except ValueError as exc:
-                problems.append(f"option 'timeout': {exc}")
-        if "batch_size" in options:
-            size = options["batch_size"]
-            if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_BATCH_SIZE:
-                problems.append(f"option 'batch_size' must be an integer from 1 to {MAX_BATCH_SIZE}, got {size!r}")
+        problems += check_positive_duration(options, "timeout")
+        problems += check_int_range(options, "batch_size", 1, MAX_BATCH_SIZE)
         if options.get("headers") is not None:
             problems += _check_headers(options["headers"])
         try:
             load_secret(options)
         except ConfigError as exc:
             problems += exc.problems
-        ca_file = options.get("ca_file")
-        if ca_file is not None:
-            if not isinstance(ca_file, str) or not ca_file.strip():
-                problems.append(f"option 'ca_file' must be a file path, got {ca_file!r}")
-            elif not os.path.isfile(os.path.expanduser(ca_file)) or not os.access(os.path.expanduser(ca_file), os.R_OK):
-                problems.append(f"option 'ca_file': {ca_file} is not a readable file")
+        problems += check_readable_file(options, "ca_file")
         return problems
 
     # -- sending ----------------------------------------------------------------------------
