@@ -13,7 +13,7 @@ import orjson
 
 from benchmarks.common import MODES, RESULTS, machine_info
 
-BENCHMARKS = ("poll_cost", "journal", "backlog")
+BENCHMARKS = ("poll_cost", "journal", "backlog", "footprint")
 
 
 def _flat(prefix: str, value: Any) -> list[tuple[str, Any]]:

@@ -134,6 +134,14 @@ class RecordFactory:
             out.append(Record.from_dict(envelope))
         return out
 
+    def preview(self, change: Change, document: Document) -> Record:
+        """The record a change would get, without using a sequence number (for hooks' stdin)."""
+        saved = self.sequence
+        try:
+            return self.for_changes([change], document)[0]
+        finally:
+            self.sequence = saved
+
     def approval(self, entry: Mapping[str, Any]) -> Record:
         """``approval.<outcome>`` audit record; random id (an audit entry is never re-derived)."""
         payload = dict(entry)

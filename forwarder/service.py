@@ -105,6 +105,9 @@ class Agent:
         self.approver = approver = Approver(ap, client, lambda: poller.factory.vm, poller.submit_audit,
                                             self.config.state.dir, self.stop)
         poller.on_changes = approver.on_changes
+        if poller.current is not None:  # resumed: the saved document may hold events never acted on
+            document = poller.current
+            approver.reconsider(document, lambda change: poller.factory.preview(change, document))
         if ap.callback is not None:
             from forwarder.approval.approver import audit_entry
             from forwarder.approval.callback import CallbackServer, Verdict

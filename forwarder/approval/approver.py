@@ -19,7 +19,7 @@ import orjson
 from forwarder.approval.settings import ApprovalConfig
 from forwarder.approval.scope import scope_refusal
 from forwarder.differ import Change
-from forwarder.document import parse_document
+from forwarder.document import Document, parse_document
 from forwarder.errors import DocumentError, ImdsError
 from forwarder.identity import VmIdentity
 from forwarder.imds import ImdsClient
@@ -203,19 +203,35 @@ class Approver:
             self._tasks.acquire()
             threading.Thread(target=self._task, args=(change, record), name=f"approval-{change.event.event_id}", daemon=True).start()
 
+    def reconsider(self, document: Document, records: Callable[[Change], Record]) -> None:
+        """After a restart: decide again about Scheduled events this VM has not approved.
+
+        A crash between committing a document and acting on it would otherwise leave an event
+        that the policy approves waiting for NotBefore, since the next document shows no change.
+        Only the policy runs here (and a rule's hook when it gates the approval).
+        """
+        if not self.config.rules:
+            return
+        for event in document.events:
+            if event.status == "Scheduled" and event.event_id not in self.approved:
+                change = Change("scheduled", event, None, initial=True)
+                self._tasks.acquire()
+                threading.Thread(target=self._task, args=(change, records(change), True), daemon=True,
+                                 name=f"approval-{event.event_id}").start()
+
     def _policy_applies(self, change: Change) -> bool:
         """Rules decide about events still Scheduled; with no rules there is no policy at all."""
         return bool(self.config.rules) and change.kind in ("scheduled", "updated") and change.event.status == "Scheduled"
 
-    def _task(self, change: Change, record: Record) -> None:
+    def _task(self, change: Change, record: Record, reconsidering: bool = False) -> None:
         try:
-            self._handle(change, record)
+            self._handle(change, record, reconsidering)
         except Exception:  # never let a policy bug kill the agent
             log.exception("approval task for %s failed", change.event.event_id)
         finally:
             self._tasks.release()
 
-    def _handle(self, change: Change, record: Record) -> None:
+    def _handle(self, change: Change, record: Record, reconsidering: bool = False) -> None:
         from forwarder.approval.hooks import run_hook
         from forwarder.approval.policy import decide
 
@@ -223,6 +239,8 @@ class Approver:
         decision = decide(self.config.rules, event, self.vm()) if self._policy_applies(change) else None
         hook_result = None
         command = self.config.hooks.get(change.kind)
+        if reconsidering and not (decision is not None and decision.after_hooks):
+            command = None  # the hooks ran for this change before the restart
         if command is not None:
             hook_result = run_hook(command, record.to_dict(), timeout=self.config.hook_timeout,
                                    output_limit=self.config.hook_output_limit, stop=self.stop)
@@ -231,7 +249,7 @@ class Approver:
             return
         hook_audit = hook_result.to_audit() if hook_result is not None else None
         if decision.action == "hold":
-            if change.kind == "scheduled":
+            if change.kind == "scheduled" and not reconsidering:
                 self.audit(audit_entry(HELD, "policy", "rule_hold" if decision.rule else "no_matching_rule",
                                        EventIds=[event.event_id], Rule=decision.rule, Hook=hook_audit,
                                        Detail="left to a remote approver or to NotBefore"))

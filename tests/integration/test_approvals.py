@@ -232,3 +232,20 @@ def sample_vs_sefwd(tmp_path_factory):
 def test_seed_policy_approves_what_the_seed_sample_approves(sample_vs_sefwd, name):
     by_sample, by_sefwd = sample_vs_sefwd[name]
     assert sorted(set(by_sample)) == by_sefwd  # the sample may approve one event twice; sefwd once
+
+
+def test_restart_reconsiders_events_seen_before(tmp_path):
+    """An event committed before a restart (here: before the rule existed) is decided after it."""
+    with Emulator(vms=["myVM"], rate_limit=None) as emu:
+        out = tmp_path / "out.jsonl"
+        event_id = emu.schedule(type="Reboot", source="User", resources=["myVM"], start_after=600)
+        agent = AgentProcess(agent_config(tmp_path, emu, approval=""), tmp_path / "a1.log")
+        wait_until(lambda: any(r.get("subject") == event_id for r in read_jsonl(out)), 60, "scheduled record")
+        assert agent.terminate() == 0
+        assert posts(emu) == []
+        agent = AgentProcess(agent_config(tmp_path, emu), tmp_path / "a2.log")
+        wait_until(lambda: approvals(out), 60, "approval after restart")
+        assert agent.terminate() == 0
+    (audit,) = approvals(out)
+    assert audit["type"] == "approval.approved" and audit["data"]["Rule"] == "user-initiated"
+    assert [p["event_ids"] for p in posts(emu)] == [[event_id]]

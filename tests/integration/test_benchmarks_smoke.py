@@ -1,4 +1,4 @@
-"""`python -m benchmarks --smoke --only journal` runs and writes every figure (values are not judged here)."""
+"""`python -m benchmarks --smoke --only NAME` runs and writes every figure (values are not judged here)."""
 from __future__ import annotations
 
 import subprocess
@@ -31,3 +31,32 @@ def test_journal_benchmark_writes_its_figures(tmp_path: Path) -> None:
     assert journal["goals"] and all(isinstance(g["pass"], bool) for g in journal["goals"])
     assert journal["pass"] == all(g["pass"] for g in journal["goals"])
     assert "journal" in proc.stdout
+
+
+def test_footprint_benchmark_measures_both_configurations_after_every_sink_delivered(tmp_path: Path) -> None:
+    for module in ("azure.eventhub", "azure.monitor.ingestion", "azure.monitor.opentelemetry.exporter",
+                   "opentelemetry.exporter.prometheus", "trustme"):
+        pytest.importorskip(module, reason=f"{module} is not installed (sink and telemetry extras)")
+    out = tmp_path / "results.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--smoke", "--only", "footprint", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=90,
+    )
+    assert proc.returncode in (0, 1), proc.stderr
+    footprint = orjson.loads(out.read_bytes())["results"]["footprint"]
+    figures = footprint["figures"]
+    for key in ("startup_ms", "rss_mib", "rss_peak_mib", "threads"):
+        assert set(figures[key]) == {"stdout_only", "all_sinks"}, key
+    assert all(v > 0 for v in figures["startup_ms"].values())
+    assert all(v > 0 for v in figures["rss_mib"].values())
+    assert set(figures["ratio_all_sinks_to_stdout_only"]) == {"rss", "startup"}
+    configured = set(figures["all_sinks_configured"])
+    assert {"stdout", "file", "webhook", "loganalytics", "appinsights", "telemetry.listen"} <= configured
+    assert ("eventhubs" in configured) == (figures["missing"] == [])
+    # The RSS figure only means something once every sink really sent the event.
+    delivered = figures["delivered"]
+    assert {"stdout_only.stdout", "all_sinks.stdout", "all_sinks.file", "all_sinks.webhook",
+            "all_sinks.loganalytics", "all_sinks.appinsights", "all_sinks.telemetry"} <= set(delivered)
+    assert all(delivered.values()), delivered
+    assert footprint["pass"] == all(g["pass"] for g in footprint["goals"])
+    assert "footprint" in proc.stdout
