@@ -207,8 +207,11 @@ class _Agent:
         found = _TELEMETRY_URL.search(self.log.read_text(errors="replace"))
         if found is None:
             return ""
-        with urllib.request.urlopen(found[1] + "/metrics", timeout=5) as response:
-            return response.read().decode() if response.status == 200 else ""
+        try:
+            with urllib.request.urlopen(found[1] + "/metrics", timeout=5) as response:
+                return response.read().decode() if response.status == 200 else ""
+        except OSError:  # HTTPError and URLError too: the figure then says telemetry did not answer
+            return ""
 
     def memory(self) -> dict[str, Any]:
         rss = self.handle.memory_info().rss / 2**20

@@ -1,6 +1,7 @@
 """Run the real agent (``python -m forwarder run``) as a subprocess and read what it delivered."""
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -60,6 +61,17 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
         time.sleep(interval)
 
 
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    """A failed test must not leave an agent running after the test session."""
+    for proc in _STARTED:
+        if proc.poll() is None:
+            proc.kill()
+
+
 class AgentProcess:
     """``sefwd run`` in a subprocess; stderr is drained by a thread (a pipe, so file-size limits
     set on the agent in tests do not silence its logs), and also copied to ``log``."""
@@ -77,6 +89,7 @@ class AgentProcess:
             stdout=subprocess.DEVNULL if "run" in args else subprocess.PIPE,
             stderr=subprocess.PIPE, env=full_env, cwd=str(ROOT),
         )
+        _STARTED.append(self.proc)
         self._drain = threading.Thread(target=self._read_stderr, daemon=True)
         self._drain.start()
 

@@ -39,8 +39,10 @@ def agent(tmp_path_factory):
         wait_until(lambda: read_jsonl(tmp / "out.jsonl"), 60, "agent up")
         url = f"http://127.0.0.1:{port}/approvals"
         wait_until(lambda: _reachable(port), 30, "callback listening")
-        yield {"emu": emu, "url": url, "out": tmp / "out.jsonl", "proc": proc, "config": config, "tmp": tmp}
-        proc.terminate()
+        state = {"emu": emu, "url": url, "out": tmp / "out.jsonl", "proc": proc, "config": config, "tmp": tmp}
+        yield state
+        if state["proc"].alive():  # the restart test replaces the process
+            state["proc"].terminate()
 
 
 def _reachable(port: int) -> bool:
