@@ -1,0 +1,262 @@
+#!/usr/bin/env bash
+# Install sefwd as a hardened systemd service. Re-running upgrades in place; the config is never
+# overwritten. See deploy/linux/README.md.
+set -euo pipefail
+
+usage() {
+    cat <<'EOF'
+Usage: install.sh [--source SRC] [--extras LIST] [--python PY] [--prefix DIR] [--no-user] [--no-start]
+
+  --source SRC    what pip installs: a checkout of the project (a directory with pyproject.toml),
+                  a wheel or sdist file, a URL (git+https://...@TAG, https://.../x.whl), or a
+                  PyPI requirement (scheduled-events-forwarder==0.1.0).
+                  Default: the checkout this script is in, else scheduled-events-forwarder.
+  --extras LIST   comma-separated extras (default: eventhubs,loganalytics; "" for none; "all").
+  --python PY     interpreter for the venv (>= 3.11 with venv/ensurepip). Default: the first
+                  of python3 python3.13 python3.12 python3.11 that qualifies.
+  --prefix DIR    install under DIR instead of / (also $PREFIX): DIR/opt/sefwd/venv,
+                  DIR/etc/sefwd, DIR/var/lib/sefwd, DIR/etc/systemd/system. systemctl is never
+                  called with a prefix. The venv is only usable at DIR/opt/sefwd/venv.
+  --no-user       do not create the sefwd user nor chown anything (implied when not root).
+  --no-start      do not enable/start the service (implied without a running systemd).
+  -h, --help      this text.
+
+Layout: /opt/sefwd/venv (the agent), /etc/sefwd/config.toml (0640 root:sefwd, kept if present),
+/etc/sefwd/env (secrets, 0600 root:root), /var/lib/sefwd and /var/log/sefwd (sefwd:sefwd 0750),
+/etc/systemd/system/sefwd.service, /usr/local/bin/sefwd (symlink), /opt/sefwd/uninstall.sh.
+EOF
+}
+
+die() { echo "install.sh: error: $*" >&2; exit 1; }
+say() { echo "install.sh: $*"; }
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PREFIX="${PREFIX:-}"
+SOURCE=""
+EXTRAS="eventhubs,loganalytics"
+PYTHON=""
+MANAGE_USER=1
+START=1
+SERVICE_USER=sefwd
+DIST=scheduled-events-forwarder
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --source) [ $# -ge 2 ] || die "--source needs a value"; SOURCE="$2"; shift 2 ;;
+        --source=*) SOURCE="${1#*=}"; shift ;;
+        --extras) [ $# -ge 2 ] || die "--extras needs a value"; EXTRAS="$2"; shift 2 ;;
+        --extras=*) EXTRAS="${1#*=}"; shift ;;
+        --python) [ $# -ge 2 ] || die "--python needs a value"; PYTHON="$2"; shift 2 ;;
+        --python=*) PYTHON="${1#*=}"; shift ;;
+        --prefix) [ $# -ge 2 ] || die "--prefix needs a value"; PREFIX="$2"; shift 2 ;;
+        --prefix=*) PREFIX="${1#*=}"; shift ;;
+        --no-user) MANAGE_USER=0; shift ;;
+        --no-start) START=0; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) usage >&2; die "unknown argument: $1" ;;
+    esac
+done
+
+EXTRAS="$(printf '%s' "$EXTRAS" | tr -d ' ')"
+case "$EXTRAS" in *[!A-Za-z0-9,_-]*) die "--extras: expected names separated by commas, got '$EXTRAS'" ;; esac
+
+IS_ROOT=0
+[ "$(id -u)" -eq 0 ] && IS_ROOT=1
+if [ -n "$PREFIX" ]; then
+    mkdir -p "$PREFIX"
+    PREFIX="$(cd "$PREFIX" && pwd)"
+    [ "$PREFIX" = / ] && PREFIX=""
+fi
+if [ -z "$PREFIX" ] && [ "$IS_ROOT" -eq 0 ]; then
+    die "run as root (sudo), or pass --prefix DIR for an install into a scratch root"
+fi
+if [ "$MANAGE_USER" -eq 1 ] && [ "$IS_ROOT" -eq 0 ]; then
+    say "not root: skipping the $SERVICE_USER user and file ownership (as with --no-user)"
+    MANAGE_USER=0
+fi
+SYSTEMD=0
+# A prefix is a different root: its unit is not this host's business. Containers and chroots
+# often have systemctl but no running systemd (sd_booted checks the same directory).
+if [ -z "$PREFIX" ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+    SYSTEMD=1
+fi
+
+for f in sefwd.service config.toml uninstall.sh; do
+    [ -f "$HERE/$f" ] || die "$HERE/$f is missing (run install.sh from its deploy/linux directory)"
+done
+
+# -- the interpreter ---------------------------------------------------------------------------
+python_ok() {
+    "$1" -c 'import sys, venv, ensurepip; sys.exit(0 if sys.version_info >= (3, 11) else 3)' >/dev/null 2>&1
+}
+if [ -n "$PYTHON" ]; then
+    command -v "$PYTHON" >/dev/null 2>&1 || die "--python $PYTHON: not found"
+    if ! python_ok "$PYTHON"; then
+        die "$PYTHON is not Python >= 3.11 with venv and ensurepip (Debian/Ubuntu: apt-get install python3-venv, or python3.11-venv for $PYTHON)"
+    fi
+else
+    for candidate in python3 python3.13 python3.12 python3.11; do
+        if command -v "$candidate" >/dev/null 2>&1 && python_ok "$candidate"; then
+            PYTHON="$candidate"
+            break
+        fi
+    done
+    if [ -z "$PYTHON" ]; then
+        have="$(command -v python3 >/dev/null 2>&1 && python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' || echo none)"
+        die "need Python >= 3.11 with venv (python3 here: $have). Debian 12/Ubuntu 24.04: apt-get install python3-venv; Ubuntu 22.04: apt-get install python3.11-venv; RHEL 9: dnf install python3.11"
+    fi
+fi
+# The real interpreter, not a wrapper (pyenv shims, alternatives): that is what the venv uses.
+PYTHON="$("$PYTHON" -c 'import sys; print(sys.executable)')"
+PY_VERSION="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+
+# -- what pip installs -------------------------------------------------------------------------
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/sefwd-install.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+
+if [ -z "$SOURCE" ]; then
+    if [ -f "$HERE/../../pyproject.toml" ]; then
+        SOURCE="$(cd "$HERE/../.." && pwd)"
+    else
+        SOURCE="$DIST"
+    fi
+fi
+EXTRAS_SPEC=""
+[ -n "$EXTRAS" ] && EXTRAS_SPEC="[$EXTRAS]"
+if [ -d "$SOURCE" ]; then
+    [ -f "$SOURCE/pyproject.toml" ] || die "--source $SOURCE: a directory without pyproject.toml"
+    # Build from a copy: an in-tree build writes build/ and *.egg-info into the checkout, which
+    # may be read-only or belong to another user.
+    mkdir "$WORK/src"
+    (cd "$SOURCE" && tar --exclude=.git --exclude=.venv --exclude=venv --exclude=node_modules \
+        --exclude=__pycache__ --exclude='*.egg-info' --exclude=./build --exclude=./dist \
+        --exclude=.pytest_cache --exclude=.mypy_cache --exclude=.ruff_cache --exclude=.hypothesis \
+        -cf - .) | (cd "$WORK/src" && tar -xf -)
+    REQUIREMENT="$WORK/src$EXTRAS_SPEC"
+elif [ -f "$SOURCE" ]; then
+    REQUIREMENT="$(cd "$(dirname "$SOURCE")" && pwd)/$(basename "$SOURCE")$EXTRAS_SPEC"
+elif [[ "$SOURCE" == *://* ]]; then
+    REQUIREMENT="$DIST$EXTRAS_SPEC @ $SOURCE"
+elif [[ "$SOURCE" == *"["* ]] || [ -z "$EXTRAS_SPEC" ]; then
+    REQUIREMENT="$SOURCE"
+elif [[ "$SOURCE" =~ ^([A-Za-z0-9._-]+)(.*)$ ]]; then
+    REQUIREMENT="${BASH_REMATCH[1]}$EXTRAS_SPEC${BASH_REMATCH[2]}"
+else
+    die "--source $SOURCE: not a directory, file, URL or requirement"
+fi
+
+# -- the venv ----------------------------------------------------------------------------------
+OPT="$PREFIX/opt/sefwd"
+VENV="$OPT/venv"
+mkdir -p "$OPT"
+chmod 0755 "$OPT"
+if [ -x "$VENV/bin/python" ]; then
+    have="$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true)"
+    if [ "$have" != "$PY_VERSION" ]; then
+        # Site-packages are per minor version: a venv of another Python cannot be upgraded in place.
+        say "replacing the venv of Python ${have:-?} with one of Python $PY_VERSION"
+        rm -rf "$VENV"
+    fi
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV with $PYTHON (Python $PY_VERSION)"
+    "$PYTHON" -m venv "$VENV"
+fi
+say "pip install ${REQUIREMENT%%\?*}"  # a SAS token in a URL stays out of logs
+# --upgrade: a re-run with a PyPI source moves to the newest release; local sources always reinstall.
+"$VENV/bin/python" -m pip install --no-input --disable-pip-version-check --progress-bar off --upgrade "$REQUIREMENT" \
+    || die "pip install failed (the VM needs access to the package index, or pass a wheel with --source)"
+"$VENV/bin/sefwd" --help >/dev/null || die "the installed $VENV/bin/sefwd does not run"
+VERSION="$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("scheduled-events-forwarder"))')"
+install -m 0755 "$HERE/uninstall.sh" "$OPT/uninstall.sh"
+[ -f "$HERE/README.md" ] && install -m 0644 "$HERE/README.md" "$OPT/README.md"
+
+# -- the service user --------------------------------------------------------------------------
+CREATED_USER=no
+if [ -f "$OPT/install.env" ] && grep -qx 'SEFWD_CREATED_USER=yes' "$OPT/install.env"; then
+    CREATED_USER=yes  # an earlier run created it: uninstall.sh still removes it
+fi
+if [ "$MANAGE_USER" -eq 1 ] && ! getent passwd "$SERVICE_USER" >/dev/null; then
+    nologin=/usr/sbin/nologin
+    [ -x "$nologin" ] || nologin=/sbin/nologin
+    say "creating system user $SERVICE_USER"
+    useradd --system --user-group --home-dir /var/lib/sefwd --no-create-home --shell "$nologin" \
+        --comment "sefwd Scheduled Events forwarder" "$SERVICE_USER"
+    CREATED_USER=yes
+fi
+own() {  # own OWNER:GROUP PATH... (only when managing the user)
+    if [ "$MANAGE_USER" -eq 1 ]; then chown "$@"; fi
+}
+
+# -- config, secrets, state, logs --------------------------------------------------------------
+ETC="$PREFIX/etc/sefwd"
+mkdir -p "$ETC"
+chmod 0755 "$ETC"
+own root:root "$ETC"
+if [ -e "$ETC/config.toml" ]; then
+    say "keeping $ETC/config.toml"
+else
+    say "writing $ETC/config.toml"
+    install -m 0640 "$HERE/config.toml" "$ETC/config.toml"
+fi
+# Mode and owner are normalized even for a kept file (cloud-init writes it before the user exists).
+chmod 0640 "$ETC/config.toml"
+own "root:$SERVICE_USER" "$ETC/config.toml"
+if [ ! -e "$ETC/env" ]; then
+    (umask 077 && cat >"$ETC/env" <<'EOF'
+# Secrets for sefwd.service as NAME=value lines (systemd EnvironmentFile= syntax), for example
+#   EVENTHUBS_CONNECTION_STRING=Endpoint=sb://...;SharedAccessKeyName=send;SharedAccessKey=...
+#   SEFWD_WEBHOOK_SECRET=whsec_...
+# and name them in /etc/sefwd/config.toml with the sink's *_env key. Keep this file 0600 root:root.
+EOF
+    )
+fi
+chmod 0600 "$ETC/env"
+own root:root "$ETC/env"
+for dir in "$PREFIX/var/lib/sefwd" "$PREFIX/var/log/sefwd"; do
+    mkdir -p "$dir"
+    chmod 0750 "$dir"
+    # Recursive: a re-created user may have a new uid, and uninstall hands kept files to root.
+    own -R "$SERVICE_USER:$SERVICE_USER" "$dir"
+done
+
+# -- unit, command, record ---------------------------------------------------------------------
+UNIT_DIR="$PREFIX/etc/systemd/system"
+mkdir -p "$UNIT_DIR"
+install -m 0644 "$HERE/sefwd.service" "$UNIT_DIR/sefwd.service"
+mkdir -p "$PREFIX/usr/local/bin"
+LINK="$PREFIX/usr/local/bin/sefwd"
+if [ -L "$LINK" ] || [ ! -e "$LINK" ]; then
+    ln -sfn ../../../opt/sefwd/venv/bin/sefwd "$LINK"
+else
+    say "leaving $LINK alone (not a symlink); the agent is $VENV/bin/sefwd"
+fi
+cat >"$OPT/install.env" <<EOF
+# Written by install.sh; read by uninstall.sh (never sourced).
+SEFWD_VERSION=$VERSION
+SEFWD_SOURCE=${SOURCE%%\?*}
+SEFWD_EXTRAS=$EXTRAS
+SEFWD_PYTHON=$PYTHON
+SEFWD_CREATED_USER=$CREATED_USER
+SEFWD_INSTALLED_AT=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+EOF
+chmod 0644 "$OPT/install.env"
+
+if [ "$SYSTEMD" -eq 1 ]; then
+    systemctl daemon-reload
+    if [ "$START" -eq 1 ]; then
+        systemctl enable sefwd.service
+        # restart, not start: a re-install must run the new code.
+        systemctl restart sefwd.service
+        if systemctl is-active --quiet sefwd.service; then
+            say "sefwd.service is running: journalctl -u sefwd -f"
+        else
+            die "sefwd.service did not start: systemctl status sefwd; journalctl -u sefwd"
+        fi
+    else
+        say "not started (--no-start): systemctl enable --now sefwd"
+    fi
+elif [ "$START" -eq 1 ]; then
+    say "no running systemd here (or a --prefix): not starting the service"
+fi
+say "installed sefwd $VERSION in $VENV (config $ETC/config.toml)"

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Remove what deploy/linux/install.sh installed. Config, secrets, state and logs stay unless
+# --purge. install.sh also copies this script to /opt/sefwd/uninstall.sh (which it deletes).
+set -euo pipefail
+
+usage() {
+    cat <<'EOF'
+Usage: uninstall.sh [--purge] [--prefix DIR]
+
+Stops and disables sefwd.service and removes the unit, /opt/sefwd (the venv), the
+/usr/local/bin/sefwd symlink and the sefwd user (only if install.sh created it).
+Kept unless --purge: /etc/sefwd (config.toml, env), /var/lib/sefwd (undelivered records,
+dead letters), /var/log/sefwd, and drop-ins in /etc/systemd/system/sefwd.service.d;
+without --purge, kept files are handed to root:root before the user is deleted.
+  --purge         remove those as well: nothing of sefwd is left.
+  --prefix DIR    uninstall from DIR instead of / (also $PREFIX); systemctl is not called.
+  -h, --help      this text.
+EOF
+}
+
+die() { echo "uninstall.sh: error: $*" >&2; exit 1; }
+say() { echo "uninstall.sh: $*"; }
+
+# Everything runs from main: bash reads a script as it goes, and this file may delete itself.
+main() {
+    local prefix="${PREFIX:-}" purge=0 is_root=0 systemd=0
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --purge) purge=1; shift ;;
+            --prefix) [ $# -ge 2 ] || die "--prefix needs a value"; prefix="$2"; shift 2 ;;
+            --prefix=*) prefix="${1#*=}"; shift ;;
+            -h|--help) usage; exit 0 ;;
+            *) usage >&2; die "unknown argument: $1" ;;
+        esac
+    done
+    [ "$(id -u)" -eq 0 ] && is_root=1
+    if [ -n "$prefix" ]; then
+        [ -d "$prefix" ] || { say "$prefix does not exist: nothing to remove"; exit 0; }
+        prefix="$(cd "$prefix" && pwd)"
+        [ "$prefix" = / ] && prefix=""
+    fi
+    [ -n "$prefix" ] || [ "$is_root" -eq 1 ] || die "run as root (sudo), or pass --prefix DIR"
+    if [ -z "$prefix" ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+        systemd=1
+    fi
+
+    local opt="$prefix/opt/sefwd" unit="$prefix/etc/systemd/system/sefwd.service"
+    local link="$prefix/usr/local/bin/sefwd" created_user=no
+    if [ -f "$opt/install.env" ] && grep -qx 'SEFWD_CREATED_USER=yes' "$opt/install.env"; then
+        created_user=yes
+    fi
+
+    if [ "$systemd" -eq 1 ]; then
+        # Stops the agent with SIGTERM: it drains for drain_timeout; the journal keeps the rest.
+        systemctl disable --now sefwd.service 2>/dev/null || true
+    fi
+    rm -f "$unit"
+    if [ "$purge" -eq 1 ]; then
+        rm -rf "$unit.d"
+    fi
+    if [ "$systemd" -eq 1 ]; then
+        systemctl daemon-reload
+        systemctl reset-failed sefwd.service 2>/dev/null || true
+    fi
+    if [ -L "$link" ] && [ "$(readlink "$link")" = ../../../opt/sefwd/venv/bin/sefwd ]; then
+        rm -f "$link"
+    fi
+    rm -rf "$opt"
+    say "removed the unit and $opt"
+
+    local kept=("$prefix/etc/sefwd" "$prefix/var/lib/sefwd" "$prefix/var/log/sefwd")
+    if [ "$purge" -eq 1 ]; then
+        rm -rf "${kept[@]}"
+        say "purged config, secrets, state and logs"
+    else
+        for path in "${kept[@]}"; do
+            [ -e "$path" ] && say "kept $path (remove with --purge)"
+        done
+    fi
+
+    if [ "$created_user" = yes ] && [ "$is_root" -eq 1 ] && getent passwd sefwd >/dev/null; then
+        if [ "$purge" -eq 0 ]; then
+            # A later system user could get the freed uid and with it the kept secrets and records.
+            for path in "${kept[@]}"; do
+                if [ -e "$path" ]; then chown -R root:root "$path"; fi
+            done
+        fi
+        userdel sefwd
+        if getent group sefwd >/dev/null; then groupdel sefwd 2>/dev/null || true; fi
+        say "removed user sefwd"
+    fi
+}
+
+main "$@"

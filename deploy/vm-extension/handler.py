@@ -1,0 +1,671 @@
+#!/usr/bin/env python3
+"""Azure VM extension handler for sefwd: ``handler.py install|enable|disable|uninstall|update``.
+
+Python 3 standard library only (3.7+): it runs before the agent and its dependencies exist.
+The handler contract (HandlerEnvironment.json, ``<seq>.settings``, ``<seq>.status``) is described
+in README.md next to this file, as are the switches tests use:
+
+  SEFWD_EXT_ROOT          prefix for every host path (/etc/sefwd, /opt/sefwd, ...); default "/"
+  SEFWD_EXT_WAAGENT_DIR   where <thumbprint>.crt/.prv live; default /var/lib/waagent
+  SEFWD_EXT_SERVICE_CMD   command called instead of ``systemctl`` (same arguments)
+  SEFWD_EXT_SEFWD_CMD     command used for ``sefwd config check`` instead of the installed agent
+  SEFWD_EXT_SKIP_INSTALL  "1": install/uninstall do not run deploy/linux/install.sh/uninstall.sh
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import glob
+import json
+import logging
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+EXT_DIR = os.path.dirname(os.path.abspath(__file__))
+NAME = "sefwd"
+UNIT = "sefwd.service"
+CONFIG_PATH = "/etc/sefwd/config.toml"
+ENV_PATH = "/etc/sefwd/env"
+# Written by ``update``; the old version's ``uninstall`` (which waagent runs between the new
+# version's update and install) then keeps the agent, its config and its state.
+UPDATE_MARKER = "/etc/sefwd/.extension-update"
+UPDATE_MARKER_MAX_AGE = 2 * 3600.0
+# Left while a changed config/env has not been applied by a restart (the service manager failed):
+# the next enable restarts even though the files no longer differ.
+RESTART_MARKER = "/etc/sefwd/.extension-restart-pending"
+SEFWD_CANDIDATES = ("/opt/sefwd/venv/bin/sefwd", "/opt/sefwd/bin/sefwd", "/usr/local/bin/sefwd", "/usr/bin/sefwd")
+STAGED_SUFFIX = ".ext-new"
+INSTALL_EXTRAS = "all"
+MAX_MESSAGE = 1000  # the portal shows at most 1024 characters of a status message
+CHECK_TIMEOUT = 120.0
+SERVICE_TIMEOUT = 120.0
+INSTALL_TIMEOUT = 840.0  # waagent kills install after 900 s
+
+# Status codes (also the handler's exit status).
+OK = 0
+E_INTERNAL = 1
+E_SETTINGS = 11  # settings file unreadable, malformed, or protectedSettings not decryptable
+E_CONFIG = 12  # the agent rejected the config built from publicSettings
+E_SERVICE = 13  # the service manager failed
+E_INSTALL = 14  # install.sh / uninstall.sh failed
+E_AGENT_MISSING = 15  # no sefwd to validate the config with
+
+OPERATIONS = {"install": "Install", "enable": "Enable", "disable": "Disable", "uninstall": "Uninstall", "update": "Update"}
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+log = logging.getLogger("sefwd-extension")
+
+
+class HandlerError(Exception):
+    """A failure to report in the status file, with its status code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+# -- environment and paths --------------------------------------------------------------------------
+
+def host_path(path: str) -> str:
+    """``path`` under SEFWD_EXT_ROOT (tests run in a temporary root)."""
+    root = os.environ.get("SEFWD_EXT_ROOT", "")
+    return os.path.join(root, path.lstrip("/")) if root else path
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+class HandlerEnvironment:
+    """The folders waagent gives the extension in HandlerEnvironment.json."""
+
+    def __init__(self, log_folder: str, config_folder: str, status_folder: str, heartbeat_file: str | None) -> None:
+        self.log_folder = log_folder
+        self.config_folder = config_folder
+        self.status_folder = status_folder
+        self.heartbeat_file = heartbeat_file
+
+    @classmethod
+    def load(cls, ext_dir: str = EXT_DIR) -> "HandlerEnvironment":
+        path = os.path.join(ext_dir, "HandlerEnvironment.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise HandlerError("cannot read {}: {}".format(path, exc), E_INTERNAL)
+        if isinstance(data, list):
+            data = data[0] if data else {}
+        env = data.get("handlerEnvironment", data) if isinstance(data, dict) else {}
+        missing = [k for k in ("logFolder", "configFolder", "statusFolder") if not env.get(k)]
+        if missing:
+            raise HandlerError("{} lacks {}".format(path, ", ".join(missing)), E_INTERNAL)
+        return cls(env["logFolder"], env["configFolder"], env["statusFolder"], env.get("heartbeatFile"))
+
+
+def setup_logging(log_folder: str | None) -> None:
+    """Log to stderr (waagent keeps it) and to <logFolder>/handler.log."""
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(fmt)
+    root.addHandler(stream)
+    if log_folder:
+        try:
+            os.makedirs(log_folder, exist_ok=True)
+            fh = logging.FileHandler(os.path.join(log_folder, "handler.log"), encoding="utf-8")
+            fh.setFormatter(fmt)
+            root.addHandler(fh)
+        except OSError as exc:
+            log.warning("cannot log to %s: %s", log_folder, exc)
+
+
+# -- sequence number, settings, protected settings ---------------------------------------------------
+
+def current_seq(config_folder: str) -> int | None:
+    """ConfigSequenceNumber, else the newest ``<n>.settings`` (waagent picks the last modified), else None."""
+    value = os.environ.get("ConfigSequenceNumber", "").strip()
+    if value.isdigit():
+        return int(value)
+    newest = None
+    for path in glob.glob(os.path.join(config_folder, "*.settings")):
+        stem = os.path.basename(path)[: -len(".settings")]
+        if not stem.isdigit():
+            continue
+        key = (os.path.getmtime(path), int(stem))
+        if newest is None or key > newest:
+            newest = key
+    return None if newest is None else newest[1]
+
+
+def read_settings(config_folder: str, seq: int | None) -> tuple[dict, dict]:
+    """(publicSettings, decrypted protectedSettings) of ``<seq>.settings``; both {} when there is none."""
+    if seq is None:
+        return {}, {}
+    path = os.path.join(config_folder, "{}.settings".format(seq))
+    if not os.path.exists(path):
+        log.info("no settings file %s: using empty settings", path)
+        return {}, {}
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise HandlerError("cannot read settings file {}: {}".format(path, exc), E_SETTINGS)
+    try:
+        runtime = data.get("runtimeSettings") or [{}]
+        handler = runtime[0].get("handlerSettings") or {}
+    except (AttributeError, IndexError, TypeError):
+        raise HandlerError("{}: expected runtimeSettings[0].handlerSettings".format(path), E_SETTINGS)
+    public = handler.get("publicSettings") or {}
+    if isinstance(public, str):  # some tools pass the JSON as a string
+        try:
+            public = json.loads(public)
+        except ValueError as exc:
+            raise HandlerError("publicSettings is a string but not JSON: {}".format(exc), E_SETTINGS)
+    if not isinstance(public, dict):
+        raise HandlerError("publicSettings must be a JSON object, got {}".format(type(public).__name__), E_SETTINGS)
+    protected = {}
+    if handler.get("protectedSettings"):
+        protected = decrypt_protected(handler["protectedSettings"], handler.get("protectedSettingsCertThumbprint"))
+    return public, protected
+
+
+def waagent_dir() -> str:
+    return os.environ.get("SEFWD_EXT_WAAGENT_DIR") or "/var/lib/waagent"
+
+
+def decrypt_protected(blob: str, thumbprint: str | None) -> dict:
+    """Decrypt base64 PKCS#7 protectedSettings with the waagent certificate named by ``thumbprint``."""
+    if not thumbprint:
+        raise HandlerError("protectedSettings is set but protectedSettingsCertThumbprint is not", E_SETTINGS)
+    directory = waagent_dir()
+    cert = key = None
+    for name in (thumbprint, thumbprint.upper(), thumbprint.lower()):
+        crt, prv = os.path.join(directory, name + ".crt"), os.path.join(directory, name + ".prv")
+        if os.path.isfile(crt) and os.path.isfile(prv):
+            cert, key = crt, prv
+            break
+    if cert is None:
+        raise HandlerError("certificate {0}.crt/.prv for protectedSettings not found in {1}".format(thumbprint, directory), E_SETTINGS)
+    try:
+        der = base64.b64decode(blob, validate=False)
+    except (ValueError, TypeError) as exc:
+        raise HandlerError("protectedSettings is not base64: {}".format(exc), E_SETTINGS)
+    try:
+        proc = subprocess.run(
+            ["openssl", "smime", "-decrypt", "-inform", "DER", "-recip", cert, "-inkey", key],
+            input=der, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HandlerError("cannot run openssl to decrypt protectedSettings: {}".format(exc), E_SETTINGS)
+    if proc.returncode != 0:
+        detail = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        raise HandlerError("decrypting protectedSettings with certificate {} failed: {}".format(
+            thumbprint, detail[0] if detail else "exit {}".format(proc.returncode)), E_SETTINGS)
+    try:
+        value = json.loads(proc.stdout.decode("utf-8"))
+    except ValueError:
+        # never echo the plaintext: it holds secrets
+        raise HandlerError("decrypted protectedSettings is not JSON", E_SETTINGS)
+    if not isinstance(value, dict):
+        raise HandlerError("protectedSettings must be a JSON object", E_SETTINGS)
+    return value
+
+
+# -- publicSettings -> TOML, protectedSettings -> environment file ------------------------------------
+
+def _toml_string(text: str) -> str:
+    out = ['"']
+    escapes = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}
+    for ch in text:
+        if ch in escapes:
+            out.append(escapes[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append("\\u{:04x}".format(ord(ch)))
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
+def _toml_value(value: object, where: str) -> str:
+    if value is None:
+        raise HandlerError("publicSettings.{} is null: TOML has no null, leave the key out".format(where), E_SETTINGS)
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v, "{}[{}]".format(where, i)) for i, v in enumerate(value)) + "]"
+    if isinstance(value, dict):
+        items = ("{} = {}".format(_toml_key(k), _toml_value(v, "{}.{}".format(where, k))) for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    raise HandlerError("publicSettings.{}: unsupported value {!r}".format(where, value), E_SETTINGS)
+
+
+def _is_table_array(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
+
+
+def _emit_table(lines: list, path: list, table: dict) -> None:
+    where = ".".join(path)
+    # Plain values must precede any [sub.table] header, or they would land in that table.
+    for key, value in table.items():
+        if not isinstance(value, dict) and not _is_table_array(value):
+            lines.append("{} = {}".format(_toml_key(key), _toml_value(value, "{}.{}".format(where, key) if where else key)))
+    for key, value in table.items():
+        if isinstance(value, dict):
+            header = ".".join(_toml_key(p) for p in path + [key])
+            lines.extend(["", "[{}]".format(header)])
+            _emit_table(lines, path + [key], value)
+    for key, value in table.items():
+        if _is_table_array(value):
+            header = ".".join(_toml_key(p) for p in path + [key])
+            for item in value:
+                lines.extend(["", "[[{}]]".format(header)])
+                _emit_table(lines, path + [key], item)
+
+
+CONFIG_HEADER = (
+    "# Written by the sefwd Azure VM extension from its publicSettings.\n"
+    "# Edits are overwritten by the next enable: change the extension's settings instead.\n"
+)
+
+
+def render_config(public: dict) -> str:
+    """TOML text whose structure mirrors ``public`` 1:1 (tables, arrays of tables, values)."""
+    lines: list = []
+    _emit_table(lines, [], public)
+    body = "\n".join(lines).lstrip("\n")
+    return CONFIG_HEADER + ("\n" + body + "\n" if body else "")
+
+
+ENV_HEADER = (
+    "# Written by the sefwd Azure VM extension from protectedSettings.env (mode 0600).\n"
+    "# Read by sefwd.service (EnvironmentFile=); edits are overwritten by the next enable.\n"
+)
+
+
+def parse_protected(protected: dict) -> dict:
+    """The ``env`` map of protectedSettings, validated: {NAME: value}."""
+    unknown = sorted(set(protected) - {"env"})
+    if unknown:
+        raise HandlerError("protectedSettings: unknown key(s) {} (expected only \"env\")".format(", ".join(unknown)), E_SETTINGS)
+    env = protected.get("env") or {}
+    if not isinstance(env, dict):
+        raise HandlerError("protectedSettings.env must be an object of NAME: value", E_SETTINGS)
+    result = {}
+    for name, value in env.items():
+        if not _ENV_NAME.fullmatch(name):
+            raise HandlerError("protectedSettings.env: {!r} is not a valid environment variable name".format(name), E_SETTINGS)
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise HandlerError("protectedSettings.env.{}: the value must be a string".format(name), E_SETTINGS)
+        text = str(value)
+        if "\n" in text or "\r" in text or "\0" in text:
+            # the value itself is never echoed: it is a secret
+            raise HandlerError("protectedSettings.env.{}: the value must be one line".format(name), E_SETTINGS)
+        result[name] = text
+    return result
+
+
+def _env_quote(value: str) -> str:
+    # systemd EnvironmentFile double quotes: backslash escapes " \ ` $ as in a POSIX shell, no expansion.
+    return '"' + re.sub(r'(["\\`$])', r"\\\1", value) + '"'
+
+
+def render_env(env: dict) -> str:
+    return ENV_HEADER + "".join("{}={}\n".format(name, _env_quote(env[name])) for name in sorted(env))
+
+
+# -- files ---------------------------------------------------------------------------------------------
+
+def _read_bytes(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _write_file(path: str, data: bytes, mode: int) -> None:
+    """Write ``path`` atomically with ``mode`` from the first byte (secrets never sit world-readable)."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _config_group_gid() -> int | None:
+    # The service user reads the config through its group (deploy/linux makes it 0640 root:sefwd).
+    if os.environ.get("SEFWD_EXT_ROOT") or not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return None
+    try:
+        import grp
+
+        return grp.getgrnam("sefwd").gr_gid
+    except (ImportError, KeyError):
+        return None
+
+
+def _remove(path: str) -> bool:
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def write_status(status_folder: str, seq: int, operation: str, status: str, code: int, message: str) -> None:
+    """Write ``<seq>.status`` (atomically: waagent may read it at any moment)."""
+    if len(message) > MAX_MESSAGE:
+        message = message[: MAX_MESSAGE - 15] + " ... [truncated]"
+    doc = [{
+        "version": 1.0,
+        "timestampUTC": utc_now(),
+        "status": {
+            "name": NAME,
+            "operation": operation,
+            "status": status,
+            "code": code,
+            "formattedMessage": {"lang": "en-US", "message": message},
+        },
+    }]
+    _write_file(os.path.join(status_folder, "{}.status".format(seq)), json.dumps(doc, indent=1).encode("utf-8"), 0o644)
+
+
+def write_heartbeat(heartbeat_file: str | None, ready: bool, code: int, message: str) -> None:
+    """Best effort: reportHeartbeat is false, so waagent does not require (or read) it."""
+    if not heartbeat_file:
+        return
+    doc = [{"version": 1.0, "heartbeat": {"status": "ready" if ready else "notready", "code": code,
+                                          "formattedMessage": {"lang": "en-US", "message": message}}}]
+    try:
+        _write_file(heartbeat_file, json.dumps(doc).encode("utf-8"), 0o644)
+    except OSError as exc:
+        log.warning("cannot write heartbeat file %s: %s", heartbeat_file, exc)
+
+
+# -- commands the handler runs ------------------------------------------------------------------------
+
+def _tail(text: str, lines: int = 8) -> str:
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:] if line.strip())
+
+
+def service(*args: str) -> None:
+    """``systemctl ARGS`` (or SEFWD_EXT_SERVICE_CMD ARGS); raises HandlerError on failure."""
+    cmd = shlex.split(os.environ.get("SEFWD_EXT_SERVICE_CMD") or "systemctl") + list(args)
+    log.info("service manager: %s", " ".join(shlex.quote(c) for c in cmd))
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=SERVICE_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HandlerError("{} failed: {}".format(" ".join(cmd), exc), E_SERVICE)
+    if proc.returncode != 0:
+        out = _tail(proc.stdout.decode("utf-8", "replace"))
+        raise HandlerError("{} exited {}: {}".format(" ".join(cmd), proc.returncode, out), E_SERVICE)
+
+
+def sefwd_command() -> list:
+    """How to run the agent's CLI: SEFWD_EXT_SEFWD_CMD, else the installed ``sefwd``."""
+    configured = os.environ.get("SEFWD_EXT_SEFWD_CMD")
+    if configured:
+        return shlex.split(configured)
+    for candidate in SEFWD_CANDIDATES:
+        path = host_path(candidate)
+        if os.access(path, os.X_OK):
+            return [path]
+    raise HandlerError("the agent is not installed (none of {} exists); run the install command".format(
+        ", ".join(SEFWD_CANDIDATES)), E_AGENT_MISSING)
+
+
+def config_check(config_path: str, env: dict) -> None:
+    """Run ``sefwd config check`` on ``config_path`` as the service would see it; HandlerError lists the problems."""
+    # The service's only SEFWD_* variables come from the env file: drop the handler's own.
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("SEFWD_")}
+    child_env.update(env)
+    cmd = sefwd_command() + ["config", "check", "--config", config_path]
+    log.info("validating: %s", " ".join(shlex.quote(c) for c in cmd))
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env,
+                              timeout=CHECK_TIMEOUT, cwd=os.path.dirname(config_path))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HandlerError("cannot run {}: {}".format(cmd[0], exc), E_AGENT_MISSING)
+    if proc.returncode == 0:
+        return
+    stderr = proc.stderr.decode("utf-8", "replace")
+    problems = [line.strip()[2:] for line in stderr.splitlines() if line.strip().startswith("- ")]
+    detail = "; ".join(problems) if problems else _tail(stderr)
+    raise HandlerError("publicSettings rejected by sefwd config check (previous config kept): " + detail, E_CONFIG)
+
+
+def bundled(*parts: str) -> str:
+    return os.path.join(EXT_DIR, *parts)
+
+
+def run_script(argv: list, what: str) -> str:
+    log.info("running %s: %s", what, " ".join(shlex.quote(a) for a in argv))
+    try:
+        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=INSTALL_TIMEOUT, cwd=EXT_DIR)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HandlerError("{} failed: {}".format(what, exc), E_INSTALL)
+    out = proc.stdout.decode("utf-8", "replace")
+    for line in out.splitlines():
+        log.info("%s: %s", what, line)
+    if proc.returncode != 0:
+        raise HandlerError("{} exited {}: {}".format(what, proc.returncode, _tail(out)), E_INSTALL)
+    return out
+
+
+def install_argv() -> list:
+    wheels = sorted(glob.glob(bundled("wheels", "*.whl")))
+    if not wheels:
+        raise HandlerError("the extension package holds no wheel under wheels/ (built with build.sh --no-wheel?)", E_INSTALL)
+    # Every extra: publicSettings may name any sink type or [telemetry], and install runs before
+    # enable has read them. enable starts the service, hence --no-start.
+    argv = ["bash", bundled("linux", "install.sh"), "--source", wheels[-1], "--extras", INSTALL_EXTRAS, "--no-start"]
+    if os.environ.get("SEFWD_EXT_ROOT"):
+        argv += ["--prefix", os.environ["SEFWD_EXT_ROOT"], "--no-user"]
+    return argv
+
+
+def uninstall_argv() -> list:
+    argv = ["bash", bundled("linux", "uninstall.sh")]
+    if os.environ.get("SEFWD_EXT_ROOT"):
+        argv += ["--prefix", os.environ["SEFWD_EXT_ROOT"]]
+    return argv
+
+
+# -- operations ---------------------------------------------------------------------------------------
+
+def op_install(henv: HandlerEnvironment, seq: int) -> str:
+    if _flag("SEFWD_EXT_SKIP_INSTALL"):
+        try:
+            what = " ".join(install_argv())
+        except HandlerError as exc:
+            what = "(nothing: {})".format(exc.message)
+        message = "install skipped (SEFWD_EXT_SKIP_INSTALL=1); would run: " + what
+    else:
+        run_script(install_argv(), "install.sh")
+        message = "sefwd installed (dependencies from PyPI); enable starts it"
+    _remove(host_path(UPDATE_MARKER))
+    return message
+
+
+def op_enable(henv: HandlerEnvironment, seq: int) -> str:
+    public, protected = read_settings(henv.config_folder, seq)
+    env = parse_protected(protected)
+    config_text = render_config(public).encode("utf-8")
+    env_text = render_env(env).encode("utf-8")
+    config_path, env_path = host_path(CONFIG_PATH), host_path(ENV_PATH)
+    staged_config, staged_env = config_path + STAGED_SUFFIX, env_path + STAGED_SUFFIX
+    old_config = _read_bytes(config_path)
+    mode = 0o640
+    try:
+        mode = os.stat(config_path).st_mode & 0o777
+    except FileNotFoundError:
+        pass
+    # Validate in place (same directory: a relative state.dir resolves the same), then swap in.
+    _write_file(staged_config, config_text, mode)
+    try:
+        config_check(staged_config, env)
+    except HandlerError:
+        _remove(staged_config)
+        raise
+    changed = []
+    if old_config != config_text:
+        gid = _config_group_gid()
+        if gid is not None:
+            os.chown(staged_config, 0, gid)
+        os.replace(staged_config, config_path)
+        changed.append("config")
+    else:
+        _remove(staged_config)
+    if _read_bytes(env_path) != env_text:
+        _write_file(staged_env, env_text, 0o600)
+        os.replace(staged_env, env_path)
+        changed.append("env")
+    else:
+        os.chmod(env_path, 0o600)
+    restart_marker = host_path(RESTART_MARKER)
+    if changed:
+        _write_file(restart_marker, b"", 0o644)
+    elif os.path.exists(restart_marker):
+        changed.append("an earlier, unapplied change")
+    service("enable", UNIT)
+    if changed:
+        service("restart", UNIT)
+        _remove(restart_marker)
+        action = "service restarted ({} changed)".format(" and ".join(changed))
+    else:
+        service("start", UNIT)  # no-op when running; brings it back after a disable
+        action = "settings unchanged, service left running"
+    sinks = public.get("sinks")
+    sink_names = ", ".join(str(s.get("name", s.get("type"))) for s in sinks if isinstance(s, dict)) if isinstance(sinks, list) else ""
+    return "sefwd enabled: {}; sinks: {}; secrets: {}".format(
+        action, sink_names or "stdout (default: records go to the journal)",
+        ", ".join(sorted(env)) or "none")
+
+
+def op_disable(henv: HandlerEnvironment, seq: int) -> str:
+    service("disable", "--now", UNIT)
+    return "sefwd stopped and disabled"
+
+
+def _update_in_progress() -> bool:
+    path = host_path(UPDATE_MARKER)
+    try:
+        return time.time() - os.path.getmtime(path) < UPDATE_MARKER_MAX_AGE
+    except OSError:
+        return False
+
+
+def op_uninstall(henv: HandlerEnvironment, seq: int) -> str:
+    if _update_in_progress():
+        # waagent runs the old version's uninstall between the new one's update and install:
+        # keep the agent, its config and its journal; the new install upgrades in place.
+        try:
+            service("stop", UNIT)
+        except HandlerError as exc:
+            log.warning("%s", exc.message)
+        return "update in progress: sefwd stopped, installation kept for the new version"
+    try:
+        service("disable", "--now", UNIT)
+    except HandlerError as exc:  # a half-installed agent must still be removable
+        log.warning("%s", exc.message)
+    if _flag("SEFWD_EXT_SKIP_INSTALL"):
+        message = "uninstall.sh skipped (SEFWD_EXT_SKIP_INSTALL=1); "
+    else:
+        run_script(uninstall_argv(), "uninstall.sh")
+        message = "sefwd uninstalled; "
+    removed = []
+    for path in (CONFIG_PATH, ENV_PATH, CONFIG_PATH + STAGED_SUFFIX, ENV_PATH + STAGED_SUFFIX, RESTART_MARKER, UPDATE_MARKER):
+        if _remove(host_path(path)):
+            removed.append(path)
+    try:
+        os.rmdir(host_path(os.path.dirname(CONFIG_PATH)))
+    except OSError:
+        pass
+    return message + "removed: " + (", ".join(removed) or "nothing")
+
+
+def op_update(henv: HandlerEnvironment, seq: int) -> str:
+    previous = os.environ.get("AZURE_GUEST_AGENT_UPDATING_FROM_VERSION", "unknown")
+    _write_file(host_path(UPDATE_MARKER), "updating from {} at {}\n".format(previous, utc_now()).encode("utf-8"), 0o644)
+    return "update from version {} prepared; install upgrades the agent in place".format(previous)
+
+
+HANDLERS = {"install": op_install, "enable": op_enable, "disable": op_disable, "uninstall": op_uninstall, "update": op_update}
+
+
+def main(argv: list | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    command = args[0].lstrip("-").lower() if args else ""
+    if command not in HANDLERS:
+        print("usage: handler.py install|enable|disable|uninstall|update", file=sys.stderr)
+        return 2
+    try:
+        henv = HandlerEnvironment.load()
+    except HandlerError as exc:
+        setup_logging(None)
+        log.error("%s", exc.message)
+        return exc.code
+    setup_logging(henv.log_folder)
+    seq = current_seq(henv.config_folder)
+    seq_no = 0 if seq is None else seq
+    operation = OPERATIONS[command]
+    log.info("%s (sequence number %s)", operation, seq_no)
+    write_status(henv.status_folder, seq_no, operation, "transitioning", OK, "{} in progress".format(operation))
+    try:
+        message = HANDLERS[command](henv, seq)
+    except HandlerError as exc:
+        log.error("%s failed: %s", operation, exc.message)
+        write_status(henv.status_folder, seq_no, operation, "error", exc.code, exc.message)
+        if command == "enable":
+            write_heartbeat(henv.heartbeat_file, False, exc.code, exc.message)
+        return exc.code
+    except Exception as exc:  # the status file must say what went wrong, whatever it was
+        log.exception("%s failed", operation)
+        message = "{} failed: {}: {}".format(operation, type(exc).__name__, exc)
+        write_status(henv.status_folder, seq_no, operation, "error", E_INTERNAL, message)
+        return E_INTERNAL
+    log.info("%s succeeded: %s", operation, message)
+    write_status(henv.status_folder, seq_no, operation, "success", OK, message)
+    if command == "enable":
+        write_heartbeat(henv.heartbeat_file, True, OK, message)
+    return OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,409 @@
+"""The Azure VM extension handler (deploy/vm-extension) against a fake waagent layout."""
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+REPO = Path(__file__).resolve().parents[2]
+EXT_SRC = REPO / "deploy" / "vm-extension"
+HANDLER = EXT_SRC / "handler.py"
+WEBHOOK_SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+TRICKY = 'a "quoted" $HOME `cmd` back\\slash  two  spaces;Endpoint=sb://x/;Key=abc='
+
+PUBLIC = {
+    "imds": {"poll_interval": "2s"},
+    "agent": {"heartbeat": "1m", "log_level": "debug"},
+    "sinks": [
+        {"type": "file", "name": "events", "path": "/var/log/sefwd/events.jsonl", "max_size": "16MiB", "backups": 3},
+        {"type": "webhook", "name": "hook", "url": "https://hooks.example.com/sefwd",
+         "secret_env": "SEFWD_WEBHOOK_SECRET", "headers": {"X-Team": "ops"}},
+    ],
+    "approval": {
+        "scope": "self",
+        "rules": [
+            {"name": "short-freeze", "event_type": "Freeze", "duration_max": 8, "action": "approve"},
+            {"name": "rest", "action": "hold"},
+        ],
+    },
+}
+PROTECTED = {"env": {"SEFWD_WEBHOOK_SECRET": WEBHOOK_SECRET, "EXTRA_TOKEN": TRICKY}}
+
+STUB = """#!/bin/sh
+echo "$*" >> "$STUB_CALLS"
+# What the status file said while the service manager was called (the operation is still running).
+cp "$STUB_STATUS_DIR/$ConfigSequenceNumber.status" "$STUB_SNAPSHOT" 2>/dev/null || true
+exit "${STUB_EXIT:-0}"
+"""
+
+
+def _openssl(*args: str, input: bytes | None = None) -> bytes:
+    return subprocess.run(["openssl", *args], input=input, check=True, capture_output=True, timeout=60).stdout
+
+
+@pytest.fixture(scope="module")
+def waagent(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A waagent dir holding a self-signed certificate and key named by thumbprint, as waagent stores them."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    d = tmp_path_factory.mktemp("waagent")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "key.pem"), "-out", str(d / "cert.pem"),
+             "-subj", "/CN=Windows Azure CRP Certificate Generator", "-days", "2")
+    fingerprint = _openssl("x509", "-in", str(d / "cert.pem"), "-noout", "-fingerprint", "-sha1").decode()
+    thumbprint = fingerprint.strip().split("=", 1)[1].replace(":", "").upper()
+    (d / "cert.pem").rename(d / f"{thumbprint}.crt")
+    (d / "key.pem").rename(d / f"{thumbprint}.prv")
+    return d, thumbprint
+
+
+def encrypt(waagent_dir: Path, thumbprint: str, value: object) -> str:
+    der = _openssl("smime", "-encrypt", "-binary", "-outform", "DER", "-aes256", str(waagent_dir / f"{thumbprint}.crt"),
+                   input=json.dumps(value).encode())
+    return base64.b64encode(der).decode()
+
+
+class Ext:
+    """One extension directory with its waagent-made folders, a temporary root and a systemctl stub."""
+
+    def __init__(self, tmp: Path, waagent: tuple[Path, str]) -> None:
+        self.waagent_dir, self.thumbprint = waagent
+        self.dir = tmp / "Sefwd.Linux-1.0.0"
+        self.dir.mkdir()
+        shutil.copy2(HANDLER, self.dir / "handler.py")
+        shutil.copy2(EXT_SRC / "HandlerManifest.json", self.dir / "HandlerManifest.json")
+        (self.dir / "wheels").mkdir()  # as build.sh lays it out; never installed here (SEFWD_EXT_SKIP_INSTALL)
+        self.wheel = self.dir / "wheels" / "scheduled_events_forwarder-0.1.0-py3-none-any.whl"
+        self.wheel.write_bytes(b"")
+        self.log_dir, self.config_dir, self.status_dir = tmp / "log", tmp / "config", tmp / "status"
+        self.config_dir.mkdir()
+        self.status_dir.mkdir()
+        self.heartbeat = self.dir / "heartbeat.log"
+        (self.dir / "HandlerEnvironment.json").write_text(json.dumps([{
+            "version": 1.0, "name": "Sefwd.Linux",
+            "handlerEnvironment": {"logFolder": str(self.log_dir), "configFolder": str(self.config_dir),
+                                   "statusFolder": str(self.status_dir), "heartbeatFile": str(self.heartbeat)},
+        }]))
+        self.root = tmp / "root"
+        self.root.mkdir()
+        self.calls_file, self.snapshot = tmp / "calls.txt", tmp / "snapshot.status"
+        self.stub = tmp / "systemctl-stub"
+        self.stub.write_text(STUB)
+        self.stub.chmod(0o755)
+        self.config = self.root / "etc/sefwd/config.toml"
+        self.env_file = self.root / "etc/sefwd/env"
+
+    def settings(self, seq: int, public: dict, protected: dict | None = PROTECTED) -> Path:
+        handler: dict = {"publicSettings": public}
+        if protected is not None:
+            handler["protectedSettingsCertThumbprint"] = self.thumbprint
+            handler["protectedSettings"] = encrypt(self.waagent_dir, self.thumbprint, protected)
+        path = self.config_dir / f"{seq}.settings"
+        path.write_text(json.dumps({"runtimeSettings": [{"handlerSettings": handler}]}))
+        return path
+
+    def run(self, command: str, seq: int | None = 0, **extra: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SEFWD_", "ConfigSequence"))}
+        env.update({
+            "SEFWD_EXT_ROOT": str(self.root),
+            "SEFWD_EXT_WAAGENT_DIR": str(self.waagent_dir),
+            "SEFWD_EXT_SERVICE_CMD": str(self.stub),
+            "SEFWD_EXT_SEFWD_CMD": f"{sys.executable} -m forwarder",
+            "SEFWD_EXT_SKIP_INSTALL": "1",
+            "STUB_CALLS": str(self.calls_file), "STUB_STATUS_DIR": str(self.status_dir), "STUB_SNAPSHOT": str(self.snapshot),
+        })
+        if seq is not None:
+            env["ConfigSequenceNumber"] = str(seq)
+        env.update(extra)
+        # waagent runs the command by its path from the manifest, in the extension dir
+        return subprocess.run([sys.executable, str(self.dir / "handler.py"), command], cwd=self.dir, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    def status(self, seq: int) -> dict:
+        doc = json.loads((self.status_dir / f"{seq}.status").read_text())
+        assert isinstance(doc, list) and doc[0]["version"] == 1.0 and doc[0]["timestampUTC"].endswith("Z")
+        assert doc[0]["status"]["formattedMessage"]["lang"] == "en-US"
+        return doc[0]["status"]
+
+    def calls(self) -> list[str]:
+        return self.calls_file.read_text().splitlines() if self.calls_file.exists() else []
+
+
+@pytest.fixture
+def ext(tmp_path: Path, waagent: tuple[Path, str]) -> Ext:
+    return Ext(tmp_path, waagent)
+
+
+def _ok(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout: {proc.stdout}\nstderr: {proc.stderr}"
+
+
+def source_env_file(path: Path) -> dict[str, str]:
+    """The variables a POSIX shell reads from the file (systemd's double-quote rules are the shell's)."""
+    out = subprocess.run(["sh", "-c", 'set -a; . "$1"; env -0', "sh", str(path)], capture_output=True, check=True,
+                         env={"PATH": os.environ["PATH"]}, timeout=30).stdout.decode()
+    return dict(item.split("=", 1) for item in out.split("\0") if "=" in item)
+
+
+def load_handler_module():
+    spec = importlib.util.spec_from_file_location("sefwd_vm_extension_handler", HANDLER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_manifest_names_the_handler_for_every_command() -> None:
+    manifest = json.loads((EXT_SRC / "HandlerManifest.json").read_text())
+    body = manifest[0]["handlerManifest"]
+    for op in ("install", "uninstall", "update", "enable", "disable"):
+        assert body[f"{op}Command"] == f"handler.py {op}"
+    assert body["rebootAfterInstall"] is False and body["reportHeartbeat"] is False
+    assert body["updateMode"] == "UpdateWithInstall"
+    assert HANDLER.read_text().startswith("#!/usr/bin/env python3\n")
+    assert os.access(HANDLER, os.X_OK)
+
+
+def test_enable_writes_a_checked_config_and_secret_env_then_restarts(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("install"))
+    install = ext.status(0)
+    assert (install["operation"], install["status"], install["code"]) == ("Install", "success", 0)
+    would_run = install["formattedMessage"]["message"]
+    assert f"linux/install.sh --source {ext.wheel} --extras all --no-start --prefix {ext.root} --no-user" in would_run
+
+    proc = ext.run("enable")
+    _ok(proc)
+    status = ext.status(0)
+    assert (status["name"], status["operation"], status["status"], status["code"]) == ("sefwd", "Enable", "success", 0)
+    assert "restarted" in status["formattedMessage"]["message"]
+    during = json.loads(ext.snapshot.read_text())[0]["status"]
+    assert (during["operation"], during["status"]) == ("Enable", "transitioning")
+    assert ext.calls() == ["enable sefwd.service", "restart sefwd.service"]
+
+    assert tomllib.loads(ext.config.read_text()) == PUBLIC
+    assert stat.S_IMODE(ext.env_file.stat().st_mode) == 0o600
+    env = source_env_file(ext.env_file)
+    assert env["SEFWD_WEBHOOK_SECRET"] == WEBHOOK_SECRET and env["EXTRA_TOKEN"] == TRICKY
+    # The agent itself accepts the file with the service's environment.
+    check = subprocess.run([sys.executable, "-m", "forwarder", "config", "check", "--config", str(ext.config)],
+                           env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stderr
+    assert "hook (type webhook)" in check.stdout
+    heartbeat = json.loads(ext.heartbeat.read_text())[0]["heartbeat"]
+    assert heartbeat["status"] == "ready"
+
+    leaked = [p for p in [*ext.log_dir.iterdir(), *ext.status_dir.iterdir(), ext.heartbeat]
+              if WEBHOOK_SECRET in p.read_text() or "back\\slash" in p.read_text()]
+    assert not leaked and WEBHOOK_SECRET not in proc.stdout + proc.stderr
+    assert not list(ext.config.parent.glob("*.ext-new")) and not list(ext.config.parent.glob(".config*"))
+
+
+def test_enable_is_idempotent_and_restarts_once_per_change(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    _ok(ext.run("enable"))  # a reboot: same settings
+    assert ext.calls() == ["enable sefwd.service", "restart sefwd.service", "enable sefwd.service", "start sefwd.service"]
+    assert "unchanged" in ext.status(0)["formattedMessage"]["message"]
+
+    ext.settings(1, PUBLIC)  # a new sequence number with the same content: nothing to restart
+    _ok(ext.run("enable", seq=1))
+    assert ext.calls()[-1] == "start sefwd.service"
+    assert ext.status(1)["status"] == "success"
+
+    changed = json.loads(json.dumps(PUBLIC))
+    changed["imds"]["poll_interval"] = "500ms"
+    ext.settings(2, changed)
+    before = len(ext.calls())
+    _ok(ext.run("enable", seq=2))
+    assert ext.calls()[before:] == ["enable sefwd.service", "restart sefwd.service"]
+    assert tomllib.loads(ext.config.read_text())["imds"]["poll_interval"] == "500ms"
+
+    rotated = {"env": {**PROTECTED["env"], "SEFWD_WEBHOOK_SECRET": "whsec_" + base64.b64encode(b"k" * 32).decode()}}
+    ext.settings(3, changed, rotated)  # only a secret changes: the service must re-read its environment
+    _ok(ext.run("enable", seq=3))
+    assert ext.calls()[-1] == "restart sefwd.service"
+    assert "env changed" in ext.status(3)["formattedMessage"]["message"]
+
+
+def test_rejected_config_reports_every_problem_and_keeps_the_previous_one(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    good = ext.config.read_bytes()
+    calls = ext.calls()
+
+    bad = {"imds": {"poll_interval": "1ms"}, "sinks": [{"type": "nosuch"}]}
+    ext.settings(1, bad)
+    proc = ext.run("enable", seq=1)
+    assert proc.returncode == 12
+    status = ext.status(1)
+    assert (status["operation"], status["status"], status["code"]) == ("Enable", "error", 12)
+    message = status["formattedMessage"]["message"]
+    assert "previous config kept" in message and "poll_interval" in message and "nosuch" in message
+    assert ext.config.read_bytes() == good
+    assert ext.calls() == calls  # the running agent is left alone
+    assert not list(ext.config.parent.glob("*.ext-new"))
+    heartbeat = json.loads(ext.heartbeat.read_text())[0]["heartbeat"]
+    assert heartbeat["status"] == "notready" and heartbeat["code"] == 12
+
+
+def test_a_secret_the_config_needs_must_be_in_protected_settings(ext: Ext) -> None:
+    ext.settings(0, PUBLIC, protected=None)
+    proc = ext.run("enable")
+    assert proc.returncode == 12
+    message = ext.status(0)["formattedMessage"]["message"]
+    assert "SEFWD_WEBHOOK_SECRET" in message
+    assert not ext.config.exists() and not ext.env_file.exists() and ext.calls() == []
+
+
+def test_undecryptable_protected_settings_are_an_error(ext: Ext) -> None:
+    path = ext.settings(0, PUBLIC)
+    doc = json.loads(path.read_text())
+    doc["runtimeSettings"][0]["handlerSettings"]["protectedSettingsCertThumbprint"] = "00" * 20
+    path.write_text(json.dumps(doc))
+    proc = ext.run("enable")
+    assert proc.returncode == 11
+    status = ext.status(0)
+    assert status["status"] == "error" and "0000000000" in status["formattedMessage"]["message"]
+
+    doc["runtimeSettings"][0]["handlerSettings"]["protectedSettingsCertThumbprint"] = ext.thumbprint
+    doc["runtimeSettings"][0]["handlerSettings"]["protectedSettings"] = base64.b64encode(b"not pkcs7").decode()
+    path.write_text(json.dumps(doc))
+    assert ext.run("enable").returncode == 11
+    assert "decrypting protectedSettings" in ext.status(0)["formattedMessage"]["message"]
+    assert ext.calls() == [] and not ext.config.exists()
+
+
+def test_without_config_sequence_number_the_newest_settings_file_wins(ext: Ext) -> None:
+    older = ext.settings(7, {"sinks": [{"type": "stdout"}]}, protected=None)
+    ext.settings(3, PUBLIC)
+    os.utime(older, (1_000_000_000, 1_000_000_000))  # 7 is the larger number but 3 was written last
+    _ok(ext.run("enable", seq=None))
+    assert ext.status(3)["status"] == "success" and not (ext.status_dir / "7.status").exists()
+    assert tomllib.loads(ext.config.read_text()) == PUBLIC
+
+
+def test_disable_stops_the_service_and_enable_brings_it_back(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    _ok(ext.run("disable"))
+    status = ext.status(0)
+    assert (status["operation"], status["status"]) == ("Disable", "success")
+    assert ext.calls()[-1] == "disable --now sefwd.service"
+    _ok(ext.run("enable"))
+    assert ext.calls()[-2:] == ["enable sefwd.service", "start sefwd.service"]
+
+
+def test_uninstall_removes_config_and_secrets(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    _ok(ext.run("uninstall"))
+    assert ext.status(0)["operation"] == "Uninstall" and ext.status(0)["status"] == "success"
+    assert ext.calls()[-1] == "disable --now sefwd.service"
+    assert not ext.config.exists() and not ext.env_file.exists() and not ext.config.parent.exists()
+
+
+def test_update_keeps_the_installation_through_the_old_versions_uninstall(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    # waagent's order: old disable, new update, old uninstall, new install (UpdateWithInstall), new enable.
+    _ok(ext.run("disable"))
+    _ok(ext.run("update", AZURE_GUEST_AGENT_UPDATING_FROM_VERSION="1.0.0"))
+    assert "1.0.0" in ext.status(0)["formattedMessage"]["message"]
+    _ok(ext.run("uninstall"))
+    assert "update in progress" in ext.status(0)["formattedMessage"]["message"]
+    assert ext.config.exists() and ext.env_file.exists()
+    _ok(ext.run("install"))
+    assert not (ext.root / "etc/sefwd/.extension-update").exists()
+    _ok(ext.run("enable"))
+    assert ext.calls()[-2:] == ["enable sefwd.service", "start sefwd.service"]
+    _ok(ext.run("uninstall"))  # without an update under way it removes everything
+    assert not ext.config.exists()
+
+
+def test_service_manager_failure_is_reported_and_the_restart_retried(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    proc = ext.run("enable", STUB_EXIT="5")
+    assert proc.returncode == 13
+    status = ext.status(0)
+    assert status["status"] == "error" and status["code"] == 13 and "exited 5" in status["formattedMessage"]["message"]
+    # The files were swapped in but never applied: the next enable must restart although they match.
+    _ok(ext.run("enable"))
+    assert ext.calls()[-1] == "restart sefwd.service"
+    _ok(ext.run("enable"))
+    assert ext.calls()[-1] == "start sefwd.service"
+
+
+def test_no_settings_means_agent_defaults(ext: Ext) -> None:
+    _ok(ext.run("enable", seq=None))
+    status = ext.status(0)
+    assert status["status"] == "success" and "stdout" in status["formattedMessage"]["message"]
+    assert tomllib.loads(ext.config.read_text()) == {}
+    assert source_env_file(ext.env_file).keys().isdisjoint({"SEFWD_WEBHOOK_SECRET"})
+
+
+def test_protected_settings_shape_is_checked(ext: Ext) -> None:
+    ext.settings(0, PUBLIC, {"env": {"BAD-NAME": "x"}})
+    assert ext.run("enable").returncode == 11
+    assert "BAD-NAME" in ext.status(0)["formattedMessage"]["message"]
+    ext.settings(0, PUBLIC, {"env": {"NAME\nINJECTED": "x"}})  # would add a line to the env file
+    assert ext.run("enable").returncode == 11
+    ext.settings(0, PUBLIC, {"env": {"MULTI": "secret-line-1\nsecret-line-2"}})
+    assert ext.run("enable").returncode == 11
+    message = ext.status(0)["formattedMessage"]["message"]
+    assert "MULTI" in message and "secret-line" not in message
+
+
+_scalars = st.one_of(
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=12),
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=8), _values, max_size=5))
+def test_toml_writer_round_trips_any_json_settings(public: dict) -> None:
+    handler = load_handler_module()
+    assert tomllib.loads(handler.render_config(public)) == public
+
+
+def test_build_zip_has_the_handler_at_its_root(tmp_path: Path) -> None:
+    if not (REPO / "deploy/linux/install.sh").exists():
+        pytest.fail("deploy/linux/install.sh is missing: the extension package bundles it")
+    proc = subprocess.run(["bash", str(EXT_SRC / "build.sh"), "--no-wheel", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr
+    zip_path = Path(proc.stdout.strip().splitlines()[-1])
+    assert zip_path.parent == tmp_path and zip_path.name.startswith("sefwd-vm-extension-")
+    with zipfile.ZipFile(zip_path) as zf:
+        names = zf.namelist()
+        assert {"HandlerManifest.json", "handler.py", "README.md", "linux/install.sh", "linux/uninstall.sh"} <= set(names)
+        assert zf.getinfo("handler.py").external_attr >> 16 & 0o111
+        assert json.loads(zf.read("HandlerManifest.json")) == json.loads((EXT_SRC / "HandlerManifest.json").read_text())
+        assert not any("__pycache__" in n or n.startswith("wheels/") for n in names)
+
+
+def test_the_readme_example_settings_enable(ext: Ext) -> None:
+    readme = (EXT_SRC / "README.md").read_text()
+    example = json.loads(readme.split("```json\n", 1)[1].split("```", 1)[0])
+    ext.settings(0, example["settings"], example["protectedSettings"])
+    _ok(ext.run("enable"))
+    assert "hub, ops" in ext.status(0)["formattedMessage"]["message"]
+    assert tomllib.loads(ext.config.read_text()) == example["settings"]
