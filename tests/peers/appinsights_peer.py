@@ -28,6 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from tests.peers.lifecycle import ServerPeer
+
 import trustme
 
 IKEY = "00000000-0000-0000-0000-000000000000"
@@ -126,7 +128,7 @@ class _Server(ThreadingHTTPServer):
     peer: AppInsightsPeer
 
 
-class AppInsightsPeer:
+class AppInsightsPeer(ServerPeer):
     """The peer; a context manager. ``envelopes`` holds what was accepted, in arrival order."""
 
     def __init__(self, workdir: Path, *, require_bearer: bool = False) -> None:
@@ -161,17 +163,6 @@ class AppInsightsPeer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-    def __enter__(self) -> AppInsightsPeer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def port(self) -> int:
-        assert self._server is not None, "peer not started"
-        return self._server.server_address[1]
 
     @property
     def connection_string(self) -> str:

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.peers.lifecycle import ServerPeer
 from urllib.parse import parse_qs, urlsplit
 
 
@@ -134,7 +136,7 @@ class _Server(ThreadingHTTPServer):
     peer: HttpPeer
 
 
-class HttpPeer:
+class HttpPeer(ServerPeer):
     """The scriptable peer; use as a context manager or call start()/stop()."""
 
     def __init__(self, default: Response | None = None) -> None:
@@ -173,17 +175,6 @@ class HttpPeer:
             except OSError:
                 pass
         self._server = None
-
-    def __enter__(self) -> HttpPeer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def port(self) -> int:
-        assert self._server is not None, "peer not started"
-        return self._server.server_address[1]
 
     @property
     def url(self) -> str:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+
+from tests.peers.lifecycle import ServerPeer
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import trustme
@@ -179,7 +181,7 @@ class _Server(ThreadingHTTPServer):
                 pass
 
 
-class LogsIngestionPeer:
+class LogsIngestionPeer(ServerPeer):
     """The peer; use as a context manager or call start()/stop()."""
 
     def __init__(
@@ -234,17 +236,6 @@ class LogsIngestionPeer:
             except OSError:
                 pass
         # The CA file stays (until garbage collection): clients of a stopped peer still load it.
-
-    def __enter__(self) -> LogsIngestionPeer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    @property
-    def port(self) -> int:
-        assert self._server is not None, "peer not started"
-        return self._server.server_address[1]
 
     @property
     def url(self) -> str:

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Union
 
+from tests.peers.lifecycle import ServerPeer
+
 
 @dataclass(frozen=True)
 class Reply:
@@ -152,7 +154,7 @@ class _Server(ThreadingHTTPServer):
         self.owner._count_error()  # TLS handshake refusals and resets are expected in tests
 
 
-class WebhookReceiver:
+class WebhookReceiver(ServerPeer):
     """A threaded HTTP(S) server on 127.0.0.1 (port 0) that stores requests and follows a policy."""
 
     def __init__(
@@ -208,17 +210,7 @@ class WebhookReceiver:
             except OSError:
                 pass
 
-    def __enter__(self) -> WebhookReceiver:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     # -- addresses ---------------------------------------------------------------------------
-    @property
-    def port(self) -> int:
-        return self._server.server_address[1]
-
     @property
     def url(self) -> str:
         """Base URL with path ``/hook``."""
