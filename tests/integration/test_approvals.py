@@ -7,26 +7,9 @@ import pytest
 from forwarder.emulator import Emulator
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 from tests.integration.test_cli import sefwd
+from tests.conftest import FIXTURES
 
-SEED_RULES = '''
-[[approval.rules]]
-name = "log-started"
-event_status = "Started"
-action = "ignore"
-[[approval.rules]]
-name = "user-initiated"
-event_source = "User"
-action = "approve"
-[[approval.rules]]
-name = "short-freeze"
-event_type = "Freeze"
-duration_min = 0
-duration_max = 8
-action = "approve"
-[[approval.rules]]
-name = "everything-else"
-action = "hold"
-'''
+SEED_RULES = (FIXTURES / "seed-sample-policy.toml").read_text()
 
 
 def agent_config(tmp_path, emu, vm="myVM", approval=SEED_RULES, poll="200ms"):

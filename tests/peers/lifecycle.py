@@ -1,9 +1,7 @@
 """What every loopback HTTP peer shares: ``with`` support and the bound port."""
 from __future__ import annotations
 
-from typing import Any
-
-from typing_extensions import Self
+from typing import Any, Self
 
 
 class ServerPeer:

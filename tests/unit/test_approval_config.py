@@ -14,26 +14,9 @@ from forwarder.approval.policy import SEED_SAMPLE_RULES
 from forwarder.approval.settings import ApprovalConfig, CallbackSettings, Rule
 from forwarder.config import EXAMPLE_CONFIG
 from forwarder.signing import generate_secret, parse_secret
+from tests.conftest import FIXTURES
 
-SEED_SAMPLE_TOML = '''
-[[approval.rules]]
-name = "log-started"
-event_status = "Started"
-action = "ignore"
-[[approval.rules]]
-name = "user-initiated"
-event_source = "User"
-action = "approve"
-[[approval.rules]]
-name = "short-freeze"
-event_type = "Freeze"
-duration_min = 0
-duration_max = 8
-action = "approve"
-[[approval.rules]]
-name = "everything-else"
-action = "hold"
-'''
+SEED_SAMPLE_TOML = (FIXTURES / "seed-sample-policy.toml").read_text()
 SECRET_A, SECRET_B = generate_secret(), generate_secret()
 
 
