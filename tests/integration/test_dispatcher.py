@@ -114,14 +114,12 @@ def test_max_age_moves_old_records_to_dead_letters(tmp_path):
 
 
 def test_close_drains_then_halts_a_hanging_sink_and_keeps_its_records(tmp_path):
-    never = threading.Event()
     hanging = ScriptedSink(answer=lambda b, c: Retry("timeout"))
     d = make(tmp_path, {"h": hanging})
     d.append(recs(5))
     t0 = time.monotonic()
     d.close(0.5)
     assert time.monotonic() - t0 < 10
-    assert not never.is_set()
     j = Journal(tmp_path / "j")
     r = j.reader("h")
     assert [orjson.loads(e.body)["n"] for e in r.read(10)] == [0, 1, 2, 3, 4]
