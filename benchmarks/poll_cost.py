@@ -9,7 +9,7 @@ from typing import Any
 
 import psutil
 
-from benchmarks.common import ROOT, Sizes, goal, result, scratch_dir
+from benchmarks.common import ROOT, Sizes, cpu_seconds, goal, result, scratch_dir
 from forwarder.emulator import Emulator
 
 RSS_GOAL_MIB = 40.0
@@ -41,11 +41,6 @@ def _gets(emu: Emulator, vm: str) -> int:
     return int(emu.stats()["requests"].get(vm, {}).get("by_endpoint", {}).get("scheduledevents", 0))
 
 
-def _cpu(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
-
-
 def run(sizes: Sizes) -> dict[str, Any]:
     names = ("sefwd", "seed")
     with scratch_dir("poll-") as work, Emulator(vms=list(names), rate_limit=None) as emu:
@@ -63,9 +58,9 @@ def run(sizes: Sizes) -> dict[str, Any]:
                     raise RuntimeError("the pollers did not start within 60 s")
                 time.sleep(0.1)
             time.sleep(sizes.poll_warmup)
-            start = {n: (_cpu(handles[n]), _gets(emu, n)) for n in names}
+            start = {n: (cpu_seconds(procs[n].pid), _gets(emu, n)) for n in names}
             time.sleep(sizes.poll_window)
-            end = {n: (_cpu(handles[n]), _gets(emu, n)) for n in names}
+            end = {n: (cpu_seconds(procs[n].pid), _gets(emu, n)) for n in names}
             rss = {n: handles[n].memory_info().rss / 2**20 for n in names}
         finally:
             for p in procs.values():

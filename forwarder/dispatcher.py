@@ -29,6 +29,9 @@ class SinkStats:
     pending_since_ms: int | None = None  # journal time of the oldest record being delivered
 
 
+IDLE_WAIT = 60.0  # seconds a worker with nothing to do sleeps unless woken
+
+
 class SinkWorker:
     """Delivers one sink's backlog in order; a slow or dead sink only delays itself."""
 
@@ -73,7 +76,9 @@ class SinkWorker:
                 elif self.draining.is_set():
                     break  # shutting down and nothing left
                 else:
-                    self.reader.wait(0.5)
+                    # Woken by every append and by close(); the timeout only matters for a cursor
+                    # that still has to reach disk. An idle agent must not tick (README: performance).
+                    self.reader.wait(self._flush_interval if self.reader.dirty else IDLE_WAIT)
                 if time.monotonic() - last_flush >= self._flush_interval:
                     self.reader.flush()
                     self.reader.journal.collect()
@@ -208,11 +213,13 @@ class Dispatcher:
         """Let sinks drain for up to ``drain_timeout`` seconds, then stop them; cursors are flushed."""
         for w in self.workers.values():
             w.draining.set()
+        self.journal.wake()
         deadline = time.monotonic() + drain_timeout
         for w in self.workers.values():
             w.thread.join(max(0.0, deadline - time.monotonic()))
         undelivered = {n: w.reader.backlog for n, w in self.workers.items() if w.thread.is_alive() or w.reader.backlog}
         self.halt.set()
+        self.journal.wake()
         for w in self.workers.values():
             w.thread.join(5.0)
         for n, left in undelivered.items():

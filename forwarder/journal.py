@@ -301,6 +301,11 @@ class Journal:
         with self._lock:
             return list(self._segments)
 
+    def wake(self) -> None:
+        """Wake every reader waiting for records (shutdown: they re-check their stop flags)."""
+        with self.changed:
+            self.changed.notify_all()
+
     def close(self) -> None:
         for r in list(self._readers.values()):
             r.flush()
@@ -431,6 +436,11 @@ class Reader:
 
     def commit(self, next_index: int) -> None:
         self.committed = max(self.committed, next_index)
+
+    @property
+    def dirty(self) -> bool:
+        """Whether the cursor has moved since it was last persisted."""
+        return self.committed != self._persisted
 
     def rewind(self) -> None:
         """Read again from the last committed index (after a failed send)."""

@@ -96,6 +96,7 @@ class Poller:
         self.inbox: deque[dict[str, Any]] = deque()
         self.on_changes: Callable[[list[Change], list[Record]], None] | None = None
         self.spool_dir: Path | None = None
+        self._spool_mtime: int | None = None
 
     # -- one cycle -------------------------------------------------------------------------
     def poll_once(self) -> float:
@@ -142,15 +143,11 @@ class Poller:
         """Thread-safe: the entry becomes an approval.* record on the poller's next turn."""
         self.inbox.append(entry)
 
-    def drain_inbox(self) -> None:
-        """Journal queued audit entries and spooled ones (written by `sefwd approve`)."""
-        spooled: list[Path] = []
-        if self.spool_dir is not None:
-            try:
-                with os.scandir(self.spool_dir) as it:
-                    spooled = sorted(Path(e.path) for e in it if e.name.endswith(".json"))
-            except FileNotFoundError:
-                pass
+    def drain_inbox(self, *, spool: bool = True) -> None:
+        """Journal queued audit entries and (with ``spool``) spooled ones, written by `sefwd approve`."""
+        spooled = self._spooled() if spool else []
+        if not spooled and not self.inbox:
+            return
         queued: list[dict[str, Any]] = []
         while self.inbox:
             queued.append(self.inbox.popleft())
@@ -169,6 +166,28 @@ class Poller:
                 path.unlink(missing_ok=True)  # (a file set aside above is already gone)
         else:
             self.inbox.extendleft(reversed(queued))  # spool files stay on disk and are retried
+
+    def _spooled(self) -> list[Path]:
+        # One stat per turn, not a directory listing: the listing (and, with no spool directory
+        # yet, the exception) cost more CPU than the poll itself. A new file changes the mtime.
+        if self.spool_dir is None:
+            return []
+        try:
+            mtime = os.stat(self.spool_dir).st_mtime_ns
+        except FileNotFoundError:
+            return []
+        if mtime == self._spool_mtime:
+            return []
+        try:
+            with os.scandir(self.spool_dir) as it:
+                spooled = sorted(Path(e.path) for e in it if e.name.endswith(".json"))
+        except FileNotFoundError:
+            return []
+        # Only an empty listing of a directory untouched for a while is final: files left behind
+        # are retried, and a file renamed in within the same coarse mtime tick is not missed.
+        if not spooled and time.time_ns() - mtime > 2_000_000_000:
+            self._spool_mtime = mtime
+        return spooled
 
     def _emit(self, build: Callable[[], list[Record]], *, document: Document | None = None, body: bytes | None = None) -> bool:
         """Commit the new state with its records as a write-ahead, then journal them.
@@ -269,7 +288,7 @@ class Poller:
         while not self.stop.is_set():
             self.drain_inbox()  # audits that arrived while we waited go before the next document
             wait = self.poll_once()
-            self.drain_inbox()
+            self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
             now = self._mono()
             if now >= next_heartbeat:
                 self.emit_lifecycle("heartbeat", **self.heartbeat_data())

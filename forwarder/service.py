@@ -95,6 +95,7 @@ class Agent:
         """Policy, hooks and the callback server, only when configured (none is by default)."""
         ap = self.config.approval
         poller.spool_dir = self.config.state.dir / SPOOL_DIR
+        poller.spool_dir.mkdir(parents=True, exist_ok=True)  # so the poller's per-turn look is one stat
         if not (ap.rules or ap.hooks or ap.callback):
             return
         from forwarder.approval.approver import Approver
