@@ -1,4 +1,4 @@
-"""`python -m benchmarks [--quick] [--only NAME]`: run the benchmarks, print a table, write results JSON."""
+"""`python -m benchmarks [--quick] [--only NAME]`: run the benchmarks, print a table, write results JSON and plots."""
 from __future__ import annotations
 
 import argparse
@@ -6,14 +6,98 @@ import importlib
 import logging
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from benchmarks.common import MODES, RESULTS, machine_info
+from benchmarks.plots import draw
 
-BENCHMARKS = ("poll_cost", "journal", "backlog", "footprint")
+BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet")
+
+
+def _get(results: dict[str, Any], path: str) -> Any:
+    """``"bench.a.b"`` inside ``results[bench]["figures"]``, or None."""
+    name, *keys = path.split(".")
+    value: Any = results.get(name, {}).get("figures")
+    for key in keys:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+# The headline figures, named as in the performance issue, and where each benchmark keeps them.
+SUMMARY: dict[str, dict[str, str] | str] = {
+    "cpu_ms_per_poll": {"sefwd": "poll_cost.cpu_ms_per_poll.sefwd", "seed_sample": "poll_cost.cpu_ms_per_poll.seed_sample"},
+    "rss_mib": {"stdout_only": "footprint.rss_mib.stdout_only", "all_sinks": "footprint.rss_mib.all_sinks"},
+    "startup_ms": "footprint.startup_ms.stdout_only",
+    "detection_latency_ms": {"p50": "latency.detection_latency_ms.p50", "p99": "latency.detection_latency_ms.p99",
+                             "poll_interval_ms": "latency.detection_latency_ms.poll_interval_ms"},
+    "processing_latency_ms": {"p50": "latency.processing_latency_ms.p50", "p99": "latency.processing_latency_ms.p99"},
+    "journal": {"append_rps": "journal.sefwd_rec_per_s.append_batched", "drain_rps": "journal.sefwd_rec_per_s.drain",
+                "persist_queue_append_rps": "journal.persist_queue_rec_per_s.put",
+                "persist_queue_drain_rps": "journal.persist_queue_rec_per_s.drain"},
+    "backlog_100k_webhook_s": "backlog.projected_s_for_100k.batch_100",
+    "fleet": {"agents": "fleet.agents", "cpu_percent": "fleet.cpu_percent", "rss_mib_each": "fleet.rss_mib_each.median",
+              "eventhubs_records": "fleet.eventhubs_records", "unique_eventkeys": "fleet.unique_eventkeys"},
+}
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, where in SUMMARY.items():
+        if isinstance(where, str):
+            value = _get(results, where)
+            if value is not None:
+                out[key] = value
+        else:
+            sub = {k: _get(results, p) for k, p in where.items()}
+            if any(v is not None for v in sub.values()):
+                out[key] = sub
+    return out
+
+
+def _num(s: dict[str, Any], path: str) -> float | None:
+    value: Any = s
+    for key in path.split("."):
+        value = value.get(key) if isinstance(value, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _check(s: dict[str, Any], paths: list[str], test: Callable[..., bool]) -> bool | None:
+    values = [_num(s, p) for p in paths]
+    return None if any(v is None for v in values) else bool(test(*values))
+
+
+# The issue's goals over the summary: (figure shown, goal text, check); None = not measured in this run.
+GOALS: list[tuple[str, str, Callable[[dict[str, Any]], bool | None]]] = [
+    ("cpu_ms_per_poll.sefwd", "<= seed_sample and <= 0.5 ms",
+     lambda s: _check(s, ["cpu_ms_per_poll.sefwd", "cpu_ms_per_poll.seed_sample"], lambda a, b: a <= b and a <= 0.5)),
+    ("rss_mib.stdout_only", "<= 40 MiB", lambda s: _check(s, ["rss_mib.stdout_only"], lambda a: a <= 40)),
+    ("rss_mib.all_sinks", "<= 120 MiB", lambda s: _check(s, ["rss_mib.all_sinks"], lambda a: a <= 120)),
+    ("startup_ms", "<= 400 ms", lambda s: _check(s, ["startup_ms"], lambda a: a <= 400)),
+    ("detection_latency_ms.p99", "<= 1.05 x poll interval + 20 ms",
+     lambda s: _check(s, ["detection_latency_ms.p99", "detection_latency_ms.poll_interval_ms"], lambda p, i: p <= 1.05 * i + 20)),
+    ("processing_latency_ms.p99", "<= 15 ms", lambda s: _check(s, ["processing_latency_ms.p99"], lambda a: a <= 15)),
+    ("journal.append_rps", ">= 3 x persist-queue append",
+     lambda s: _check(s, ["journal.append_rps", "journal.persist_queue_append_rps"], lambda a, b: a >= 3 * b)),
+    ("journal.drain_rps", ">= 3 x persist-queue drain",
+     lambda s: _check(s, ["journal.drain_rps", "journal.persist_queue_drain_rps"], lambda a, b: a >= 3 * b)),
+    ("backlog_100k_webhook_s", "<= 30 s", lambda s: _check(s, ["backlog_100k_webhook_s"], lambda a: a <= 30)),
+    ("fleet.cpu_percent", "<= 25 % of all cores", lambda s: _check(s, ["fleet.cpu_percent"], lambda a: a <= 25)),
+]
+
+
+def judge(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for figure, text, check in GOALS:
+        verdict = check(summary)
+        if verdict is not None:
+            rows.append({"figure": figure, "value": _num(summary, figure), "goal": text, "pass": verdict})
+    return rows
 
 
 def _flat(prefix: str, value: Any) -> list[tuple[str, Any]]:
@@ -22,22 +106,29 @@ def _flat(prefix: str, value: Any) -> list[tuple[str, Any]]:
     return [(prefix, value)]
 
 
-def _table(results: dict[str, Any]) -> str:
+def _table(doc: dict[str, Any]) -> str:
     lines = []
-    for name, res in results.items():
+    for name, res in doc["results"].items():
         lines.append(f"== {name} ({res['seconds']} s) {'PASS' if res['pass'] else 'FAIL'}")
-        lines += [f"  {k:<45} {v}" for k, v in _flat("", res["figures"])]
+        for k, v in _flat("", res["figures"]):
+            if isinstance(v, list) and len(v) > 12:  # raw samples: the plots show them
+                v = f"[{len(v)} values]"
+            lines.append(f"  {k:<45} {v}")
         lines += [f"  [{'pass' if g['pass'] else 'FAIL'}] {g['goal']}" for g in res["goals"]]
+    lines.append("== summary (the performance issue's figures and goals)")
+    lines += [f"  {k:<45} {v}" for k, v in _flat("", doc["summary"])]
+    lines += [f"  [{'pass' if g['pass'] else 'FAIL'}] {g['figure']} = {g['value']:g} {g['goal']}" for g in doc["goals"]]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="smaller sizes: the whole run takes under 3 minutes")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes: the whole run takes under 10 minutes")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, only checks that everything runs")
     parser.add_argument("--only", action="append", choices=BENCHMARKS, metavar="NAME",
                         help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
     parser.add_argument("--out", type=Path, default=RESULTS / "latest.json", help="results file (default %(default)s)")
+    parser.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots (written beside --out)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)  # expected warnings (fresh cursors, http) are noise here
 
@@ -48,12 +139,18 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         results[name] = importlib.import_module(f"benchmarks.{name}").run(sizes)
         results[name]["seconds"] = round(time.monotonic() - start, 1)
-    doc = {"machine": machine_info(), "mode": "quick" if args.quick or args.smoke else "full", "smoke": args.smoke, "results": results}
+    summary = summarize(results)
+    goals = judge(summary)
+    doc = {"machine": machine_info(), "mode": "quick" if args.quick or args.smoke else "full", "smoke": args.smoke,
+           "summary": summary, "goals": goals, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
-    print(_table(results))
+    print(_table(doc))
     print(f"results written to {args.out}")
-    return 0 if all(r["pass"] for r in results.values()) else 1
+    if not args.no_plots:
+        for path in draw(doc, args.out.parent):
+            print(f"plot written to {path}")
+    return 0 if all(r["pass"] for r in results.values()) and all(g["pass"] for g in goals) else 1
 
 
 if __name__ == "__main__":

@@ -138,9 +138,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         # What end_headers() does, with the body in the same write: one TCP segment per answer,
         # as IMDS sends it, instead of waking the client twice (headers, then body).
-        self._headers_buffer.append(b"\r\n")
+        buffered: list[bytes] = self._headers_buffer  # type: ignore[attr-defined]  # (set by send_response)
+        buffered.append(b"\r\n")
         if body and self.command != "HEAD":
-            self._headers_buffer.append(body)
+            buffered.append(body)
         self.flush_headers()
 
     def _record(self, status: int | str) -> None:

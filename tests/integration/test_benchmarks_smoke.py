@@ -1,6 +1,7 @@
 """`python -m benchmarks --smoke --only NAME` runs and writes every figure (values are not judged here)."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,37 @@ def test_footprint_benchmark_measures_both_configurations_after_every_sink_deliv
     assert all(delivered.values()), delivered
     assert footprint["pass"] == all(g["pass"] for g in footprint["goals"])
     assert "footprint" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_quick_suite_runs_every_benchmark_writes_the_summary_and_draws_the_plots(tmp_path: Path) -> None:
+    """What CI runs as the benchmark smoke test: `--quick` end to end (figures are not judged here)."""
+    from benchmarks.__main__ import BENCHMARKS, SUMMARY
+    from tests.peers.eventhubs_peer import EventHubsPeer
+
+    why = EventHubsPeer.available()
+    if why is not None:
+        if os.environ.get("SEFWD_REQUIRE_PEERS"):
+            raise RuntimeError(f"the Event Hubs test peer is required here (SEFWD_REQUIRE_PEERS) but {why}")
+        pytest.skip(f"the fleet benchmark needs the Event Hubs peer: {why}")
+    pytest.importorskip("matplotlib", reason="the bench extra is not installed: pip install -e '.[bench]'")
+    out = tmp_path / "latest.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1400)
+    assert proc.returncode in (0, 1), proc.stderr[-4000:]
+    doc = orjson.loads(out.read_bytes())
+    assert doc["mode"] == "quick" and not doc["smoke"]
+    assert list(doc["results"]) == list(BENCHMARKS)
+    for name, res in doc["results"].items():
+        assert res["figures"] and res["goals"], name
+        assert res["pass"] == all(g["pass"] for g in res["goals"]), name
+    assert set(doc["summary"]) == set(SUMMARY)  # every headline figure of the issue was measured
+    for key, where in SUMMARY.items():
+        if isinstance(where, dict):
+            assert all(doc["summary"][key][k] is not None for k in where), key
+    assert len(doc["goals"]) == 10 and all(isinstance(g["pass"], bool) for g in doc["goals"])
+    assert (proc.returncode == 0) == (all(r["pass"] for r in doc["results"].values()) and all(g["pass"] for g in doc["goals"]))
+    for png in ("latency.png", "footprint.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    assert "summary" in proc.stdout

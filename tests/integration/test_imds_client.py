@@ -366,3 +366,105 @@ def test_compute_404_is_not_retried(peer: HttpPeer, client: ImdsClient) -> None:
         client.compute()
     assert not info.value.retryable
     assert len(peer.requests) == 1
+
+
+# -- HTTP framing: the client parses answers itself (httptools), so every framing IMDS or a proxy
+# could use is exercised against a raw socket peer that writes exactly the bytes given.
+class RawPeer:
+    """Accepts connections; for each request read, writes the next scripted bytes (then maybe closes)."""
+
+    def __init__(self, answers: list[tuple[bytes, bool]]) -> None:
+        self.answers = list(answers)
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while self.answers:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                buf = b""
+                while self.answers:
+                    while b"\r\n\r\n" not in buf:
+                        data = conn.recv(65536)
+                        if not data:
+                            break
+                        buf += data
+                    if b"\r\n\r\n" not in buf:
+                        break  # the client went away
+                    head, _, buf = buf.partition(b"\r\n\r\n")
+                    self.requests.append(head)
+                    answer, close = self.answers.pop(0)
+                    conn.sendall(answer)
+                    if close:
+                        break
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\n" + DOC[:16] + b"\r\n"
+    + f"{len(DOC) - 16:x}".encode() + b"\r\n" + DOC[16:] + b"\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(DOC)).encode() + b"\r\n\r\n" + DOC,
+], ids=["chunked", "content-length"])
+def test_framings_are_parsed_and_the_connection_kept(answer: bytes) -> None:
+    peer = RawPeer([(answer, False), (answer, False)])
+    try:
+        with ImdsClient(peer.url, VERSION) as c:
+            assert c.scheduled_events().body == DOC
+            assert c.scheduled_events().body == DOC
+        assert peer.connections == 1
+    finally:
+        peer.close()
+
+
+def test_close_delimited_and_http_1_0_answers_are_read_to_the_end_and_not_reused() -> None:
+    answers = [(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + DOC, True),
+               (b"HTTP/1.0 200 OK\r\nContent-Length: " + str(len(DOC)).encode() + b"\r\n\r\n" + DOC, True),
+               (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}", False)]
+    peer = RawPeer(answers)
+    try:
+        with ImdsClient(peer.url, VERSION) as c:
+            assert c.scheduled_events().body == DOC
+            assert c.scheduled_events().body == DOC
+            assert c.scheduled_events().body == b"{}"
+        assert peer.connections == 3
+    finally:
+        peer.close()
+
+
+def test_an_idle_connection_the_server_dropped_costs_no_failed_poll() -> None:
+    # The server answers, then closes the kept-alive connection while the client is idle (as IMDS
+    # does): the next poll is sent once more on a fresh connection and succeeds.
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(DOC)).encode() + b"\r\n\r\n" + DOC
+    peer = RawPeer([(ok, True), (ok, False)])
+    try:
+        with ImdsClient(peer.url, VERSION) as c:
+            assert c.scheduled_events().body == DOC
+            assert c.scheduled_events().body == DOC
+        assert peer.connections == 2 and len(peer.requests) == 2
+    finally:
+        peer.close()
+
+
+@pytest.mark.parametrize("answer, reason", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"DocumentIn", "middle of its answer"),
+    (b"SSH-2.0-OpenSSH_9.6\r\n\r\n", "malformed HTTP answer"),
+    (b"", "without answering"),
+], ids=["truncated", "not-http", "nothing"])
+def test_broken_answers_are_retryable_errors_that_say_what_happened(answer: bytes, reason: str) -> None:
+    peer = RawPeer([(answer, True), (answer, True)])
+    try:
+        with ImdsClient(peer.url, VERSION) as c, pytest.raises(ImdsError, match=reason) as info:
+            c.scheduled_events()
+        assert info.value.status is None and info.value.retryable
+    finally:
+        peer.close()
