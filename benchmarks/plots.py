@@ -29,8 +29,9 @@ def draw(doc: dict[str, Any], outdir: Path) -> list[Path]:
     outdir.mkdir(parents=True, exist_ok=True)
     written = []
     latency = _figures(doc, "latency")
-    if latency.get("samples_ms"):
-        written.append(_latency(plt, doc, latency, outdir / LATENCY_PNG))
+    samples = doc.get("results", {}).get("latency", {}).get("samples_ms") or latency.get("samples_ms")
+    if samples:
+        written.append(_latency(plt, doc, latency, samples, outdir / LATENCY_PNG))
     if _figures(doc, "poll_cost") or _figures(doc, "footprint") or _figures(doc, "fleet"):
         written.append(_footprint(plt, doc, outdir / FOOTPRINT_PNG))
     return written
@@ -42,8 +43,8 @@ def _cdf(ax: Any, samples: list[float], label: str, color: str) -> None:
     ax.step(xs, [(i + 1) / n for i in range(n)], where="post", label=f"{label} (n={n})", color=color)
 
 
-def _latency(plt: Any, doc: dict[str, Any], fig_data: dict[str, Any], path: Path) -> Path:
-    samples = fig_data["samples_ms"]
+def _latency(plt: Any, doc: dict[str, Any], fig_data: dict[str, Any], samples: dict[str, list[float]],
+             path: Path) -> Path:
     detection = samples.get("detection") or []
     processing = samples.get("processing") or []
     interval = (fig_data.get("detection_latency_ms") or {}).get("poll_interval_ms") or fig_data.get("poll_interval_ms")
