@@ -93,6 +93,7 @@ class Poller:
                 log.error("saved document is unreadable (%s); treating this start as a fresh install", exc)
                 self._last_body = None
         self.polled = threading.Condition()
+        self._poll_waiters = 0
         self.inbox: deque[dict[str, Any]] = deque()
         self.on_changes: Callable[[list[Change], list[Record]], None] | None = None
         self.spool_dir: Path | None = None
@@ -249,9 +250,10 @@ class Poller:
         return max(self.poll_interval, delay)
 
     def _notify(self) -> None:
-        with self.polled:
-            self.stats.polls += 1
-            self.polled.notify_all()
+        self.stats.polls += 1
+        if self._poll_waiters:  # nobody waits but `demo` and tests: skip the lock on every poll
+            with self.polled:
+                self.polled.notify_all()
 
     # -- lifecycle -------------------------------------------------------------------------
     def emit_lifecycle(self, kind: str, **data: object) -> bool:
@@ -288,7 +290,8 @@ class Poller:
         while not self.stop.is_set():
             self.drain_inbox()  # audits that arrived while we waited go before the next document
             wait = self.poll_once()
-            self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
+            if self.inbox:
+                self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
             now = self._mono()
             if now >= next_heartbeat:
                 self.emit_lifecycle("heartbeat", **self.heartbeat_data())
@@ -305,10 +308,15 @@ class Poller:
         """Block until ``stats.polls`` reaches ``count`` (used by demo and tests)."""
         deadline = self._mono() + timeout
         with self.polled:
-            while self.stats.polls < count:
-                remaining = deadline - self._mono()
-                if remaining <= 0 or self.stop.is_set():
-                    return self.stats.polls >= count
-                self.polled.wait(min(remaining, 0.5))
+            self._poll_waiters += 1
+            try:
+                while self.stats.polls < count:
+                    remaining = deadline - self._mono()
+                    if remaining <= 0 or self.stop.is_set():
+                        return self.stats.polls >= count
+                    # (bounded: a count bumped between the check and the wait is seen within 50 ms)
+                    self.polled.wait(min(remaining, 0.05))
+            finally:
+                self._poll_waiters -= 1
         return True
 
