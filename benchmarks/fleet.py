@@ -11,11 +11,8 @@ although every agent sends its own record of it.
 from __future__ import annotations
 
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable
@@ -26,6 +23,7 @@ from typing import Any
 import orjson
 import psutil
 
+from benchmarks.agents import FirstGets, spawn_agent, stop_agents
 from benchmarks.common import ROOT, Sizes, cpu_seconds, goal, result, scratch_dir
 from forwarder.emulator import Emulator
 
@@ -57,55 +55,17 @@ PLANS = {
 }
 
 
-class _FirstGets:
-    """Monotonic time at which the emulator answered each VM's first Scheduled Events GET."""
-
-    def __init__(self, emu: Emulator) -> None:
-        self.times: dict[str, float] = {}
-        self._arrived = threading.Condition()
-        count = emu.platform.count
-
-        def counting(vm: str, method: str, endpoint: str, status: int | str) -> None:
-            now = time.monotonic()
-            count(vm, method, endpoint, status)
-            if method == "GET" and endpoint == "scheduledevents" and str(status) == "200" and vm not in self.times:
-                with self._arrived:
-                    self.times.setdefault(vm, now)
-                    self._arrived.notify_all()
-
-        emu.platform.count = counting  # type: ignore[method-assign]
-
-    def wait_all(self, vms: list[str], timeout: float, check: Callable[[], None]) -> None:
-        deadline = time.monotonic() + timeout
-        with self._arrived:
-            while missing := [vm for vm in vms if vm not in self.times]:
-                check()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RuntimeError(f"{len(missing)} agent(s) made no Scheduled Events GET within "
-                                       f"{timeout:g} s: {', '.join(missing[:5])}")
-                self._arrived.wait(min(left, 0.2))
-
-
 class _Agent:
     """One `python -m forwarder run` on its own emulator VM and state dir; stderr goes to a file."""
 
     def __init__(self, emu: Emulator, work: Path, vm: str, env: dict[str, str]) -> None:
         self.vm = vm
         self.dir = work / vm
-        self.dir.mkdir()
         self.log = self.dir / "agent.log"
-        config = self.dir / "sefwd.toml"
-        config.write_text(
-            f'[imds]\nendpoint = "{emu.vm_url(vm)}"\npoll_interval = "{POLL_INTERVAL_S:g}s"\n'
-            f'[state]\ndir = "{self.dir / "state"}"\n'
-            '[agent]\nheartbeat = "0"\ndrain_timeout = "2s"\n'
-            f'[[sinks]]\ntype = "eventhubs"\nname = "eventhubs"\nconnection_string_env = "{CONN_ENV}"\n'
-        )
-        full_env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(self.dir), **env}
-        with open(self.log, "ab") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "forwarder", "run", "--config", str(config)],
-                                         stdout=subprocess.DEVNULL, stderr=err, env=full_env, cwd=str(ROOT))
+        self.proc = spawn_agent(
+            emu, self.dir, vm,
+            f'[[sinks]]\ntype = "eventhubs"\nname = "eventhubs"\nconnection_string_env = "{CONN_ENV}"\n',
+            env, poll_interval_ms=int(POLL_INTERVAL_S * 1000))
         self.handle = psutil.Process(self.proc.pid)
 
     def alive(self) -> bool:
@@ -130,23 +90,6 @@ class _Agent:
 
     def rss_mib(self) -> float:
         return self.handle.memory_info().rss / 2**20
-
-
-def _stop_all(agents: list[_Agent]) -> None:
-    """SIGTERM every agent at once, then wait; kill whoever is still there after 20 s."""
-    for agent in agents:
-        if agent.alive():
-            try:
-                agent.proc.send_signal(signal.SIGTERM)
-            except OSError:
-                pass
-    deadline = time.monotonic() + 20.0
-    for agent in agents:
-        try:
-            agent.proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            agent.proc.kill()
-            agent.proc.wait(10)
 
 
 class _Hub:
@@ -202,7 +145,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
     agents: list[_Agent] = []
     with scratch_dir("fleet-") as work, Emulator(vms=vms) as emu, \
             EventHubsPeer(log=work / "eventhubs-peer.log") as peer:
-        first_gets = _FirstGets(emu)
+        first_gets = FirstGets(emu)
         hub = _Hub(peer)
         env = {CONN_ENV: peer.connection_string()}
         me = os.getpid()
@@ -295,7 +238,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
             hub.read()
             check()
         finally:
-            _stop_all(agents)
+            stop_agents([a.proc for a in agents])
 
     # -- the consumer: scheduledevent.* records of this event, deduplicated by eventkey ----------------
     records = [e for _, e in hub.seen

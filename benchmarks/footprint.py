@@ -6,7 +6,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -18,6 +17,7 @@ from typing import Any
 import orjson
 import psutil
 
+from benchmarks.agents import FirstGets, spawn_agent
 from benchmarks.common import ROOT, Sizes, goal, result, scratch_dir
 from forwarder.emulator import Emulator
 from forwarder.journal import MAGIC, SEGMENT_PREFIX, decode_at
@@ -50,37 +50,6 @@ class _Plan:
 
 
 PLANS = {"full": _Plan(3, 5.0), "quick": _Plan(3, 3.0), "smoke": _Plan(1, 0.5)}
-
-
-class _FirstGets:
-    """Monotonic time at which the emulator answered each VM's first Scheduled Events GET."""
-
-    def __init__(self, emu: Emulator) -> None:
-        self.times: dict[str, float] = {}
-        self._arrived = threading.Condition()
-        count = emu.platform.count
-
-        # The emulator counts each request just before its answer leaves: timing that call needs no
-        # polling of stats(), whose own cost and interval would blur a figure of a few hundred ms.
-        def counting(vm: str, method: str, endpoint: str, status: int | str) -> None:
-            now = time.monotonic()
-            count(vm, method, endpoint, status)
-            if method == "GET" and endpoint == "scheduledevents" and str(status) == "200":
-                with self._arrived:
-                    self.times.setdefault(vm, now)
-                    self._arrived.notify_all()
-
-        emu.platform.count = counting  # type: ignore[method-assign]
-
-    def wait(self, vm: str, timeout: float, alive: Callable[[], bool]) -> float | None:
-        deadline = time.monotonic() + timeout
-        with self._arrived:
-            while vm not in self.times:
-                left = deadline - time.monotonic()
-                if left <= 0 or not alive():
-                    return None
-                self._arrived.wait(min(left, 0.2))
-            return self.times[vm]
 
 
 @dataclass
@@ -152,27 +121,16 @@ def _peers(emu: Emulator, work: Path) -> Iterator[_Peers]:
 class _Agent:
     """One `python -m forwarder run` on its own emulator VM and state dir; stderr goes to a file."""
 
-    def __init__(self, emu: Emulator, first_gets: _FirstGets, work: Path, vm: str, sinks: Callable[[Path], str],
+    def __init__(self, emu: Emulator, first_gets: FirstGets, work: Path, vm: str, sinks: Callable[[Path], str],
                  env: dict[str, str], telemetry: bool) -> None:
         self.vm = vm
         self.dir = work / vm
-        self.dir.mkdir()
         self.state = self.dir / "state"
         self.out = self.dir / "out.jsonl"
         self.log = self.dir / "agent.log"
-        config = self.dir / "sefwd.toml"
-        config.write_text(
-            f'[imds]\nendpoint = "{emu.vm_url(vm)}"\n'
-            f'[state]\ndir = "{self.state}"\n'
-            '[agent]\nheartbeat = "0"\ndrain_timeout = "2s"\n'
-            + ('[telemetry]\nlisten = "127.0.0.1:0"\n' if telemetry else "")
-            + sinks(self.out)
-        )
-        full_env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(self.dir), **env}
-        with open(self.log, "ab") as err:
-            spawned = time.monotonic()
-            self.proc = subprocess.Popen([sys.executable, "-m", "forwarder", "run", "--config", str(config)],
-                                         stdout=subprocess.DEVNULL, stderr=err, env=full_env, cwd=str(ROOT))
+        spawned = time.monotonic()
+        self.proc = spawn_agent(emu, self.dir, vm,
+                                ('[telemetry]\nlisten = "127.0.0.1:0"\n' if telemetry else "") + sinks(self.out), env)
         served = first_gets.wait(vm, START_TIMEOUT_S, self.alive)
         if served is None:
             self.stop()
@@ -252,7 +210,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
     startup: dict[str, list[float]] = {c: [] for c in CONFIGS}
     with scratch_dir("footprint-") as work, Emulator(vms=["footprint"], rate_limit=None) as emu, \
             _peers(emu, work) as peers:
-        first_gets = _FirstGets(emu)
+        first_gets = FirstGets(emu)
         setups = {"stdout_only": (lambda out: '[[sinks]]\ntype = "stdout"\nname = "stdout"\n', {}, False),
                   "all_sinks": (peers.sinks, peers.env(), True)}
         agents: dict[str, _Agent] = {}

@@ -32,6 +32,7 @@ from typing import IO, Any
 
 import orjson
 
+from benchmarks.agents import spawn_agent
 from benchmarks.common import ROOT, Sizes, goal, result, scratch_dir
 from forwarder.emulator import Emulator
 from forwarder.signing import generate_secret
@@ -159,20 +160,12 @@ class _Agent:
                  arrivals: _Arrivals) -> None:
         self.vm = vm
         self.dir = work / vm
-        self.dir.mkdir()
         self.log = self.dir / "agent.log"
-        config = self.dir / "sefwd.toml"
-        config.write_text(
-            f'[imds]\nendpoint = "{emu.vm_url(vm)}"\npoll_interval = "{int(round(interval * 1000))}ms"\n'
-            f'[state]\ndir = "{self.dir / "state"}"\n'
-            '[agent]\nheartbeat = "0"\ndrain_timeout = "2s"\n'
+        self.proc = spawn_agent(
+            emu, self.dir, vm,
             '[[sinks]]\ntype = "stdout"\nname = "stdout"\n'
-            f'[[sinks]]\ntype = "webhook"\nname = "webhook"\nurl = "{hook_url}"\nsecret_env = "{SECRET_ENV}"\n'
-        )
-        env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(self.dir), SECRET_ENV: secret}
-        with open(self.log, "ab") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "forwarder", "run", "--config", str(config)],
-                                         stdout=subprocess.PIPE, stderr=err, env=env, cwd=str(ROOT))
+            f'[[sinks]]\ntype = "webhook"\nname = "webhook"\nurl = "{hook_url}"\nsecret_env = "{SECRET_ENV}"\n',
+            {SECRET_ENV: secret}, poll_interval_ms=int(round(interval * 1000)), stdout=subprocess.PIPE)
         assert self.proc.stdout is not None
         self._reader = threading.Thread(target=self._read, args=(self.proc.stdout, arrivals),
                                         name=f"stdout-{vm}", daemon=True)
