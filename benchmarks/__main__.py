@@ -6,6 +6,7 @@ import importlib
 import logging
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,8 @@ def _table(doc: dict[str, Any]) -> str:
     lines = []
     for name, res in doc["results"].items():
         lines.append(f"== {name} ({res['seconds']} s) {'PASS' if res['pass'] else 'FAIL'}")
+        if res.get("error"):
+            lines.append(f"  error: {res['error']}")
         for k, v in _flat("", res["figures"]):
             if isinstance(v, list) and len(v) > 12:  # raw samples: the plots show them
                 v = f"[{len(v)} values]"
@@ -137,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only or BENCHMARKS:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         start = time.monotonic()
-        results[name] = importlib.import_module(f"benchmarks.{name}").run(sizes)
+        try:
+            results[name] = importlib.import_module(f"benchmarks.{name}").run(sizes)
+        except Exception as exc:  # one broken benchmark must not cost the others' figures
+            traceback.print_exc()
+            results[name] = {"figures": {}, "goals": [{"goal": "the benchmark ran to the end", "pass": False}],
+                             "pass": False, "error": f"{type(exc).__name__}: {exc}"}
         results[name]["seconds"] = round(time.monotonic() - start, 1)
     summary = summarize(results)
     goals = judge(summary)

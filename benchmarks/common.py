@@ -124,7 +124,7 @@ def cpu_seconds(pid: int) -> float:
                     pass  # a thread that ended between the listing and the read
         return total / 1e9
     except FileNotFoundError:
-        import psutil  # not Linux (or no procfs): tick-based, but there
+        import psutil  # type: ignore[import-untyped]  # not Linux (or no procfs): tick-based, but there
 
         t = psutil.Process(pid).cpu_times()
         return t.user + t.system

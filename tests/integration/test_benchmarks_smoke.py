@@ -84,6 +84,7 @@ def test_quick_suite_runs_every_benchmark_writes_the_summary_and_draws_the_plots
     assert doc["mode"] == "quick" and not doc["smoke"]
     assert list(doc["results"]) == list(BENCHMARKS)
     for name, res in doc["results"].items():
+        assert "error" not in res, (name, res.get("error"), proc.stderr[-4000:])
         assert res["figures"] and res["goals"], name
         assert res["pass"] == all(g["pass"] for g in res["goals"]), name
     assert set(doc["summary"]) == set(SUMMARY)  # every headline figure of the issue was measured
