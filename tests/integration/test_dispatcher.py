@@ -137,3 +137,30 @@ def test_cursor_survives_restart_without_redelivery(tmp_path):
     assert again.wait_for(1)
     d.close(5)
     assert again.got == [10]
+
+
+def test_idle_workers_sleep_until_woken_yet_deliver_and_stop_at_once(tmp_path):
+    # Idle workers wait up to IDLE_WAIT (a minute) so an idle agent does not tick; an append wakes
+    # them for delivery, close() wakes them to stop, and a moved cursor still reaches disk promptly.
+    sinks = {name: ScriptedSink() for name in ("a", "b")}
+    d = make(tmp_path, sinks)
+
+    def flushed(n: int) -> None:  # every cursor on disk at n: from then on the workers are idle
+        cursors = [tmp_path / "j" / "cursors" / f"{name}.cursor" for name in sinks]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if all(c.exists() and orjson.loads(c.read_bytes())["next"] == n for c in cursors):
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"cursors not flushed at {n} within 10 s")  # not at IDLE_WAIT, a minute later
+
+    d.append(recs(3))
+    assert all(s.wait_for(3, timeout=10) for s in sinks.values())
+    flushed(3)
+    d.append(recs(2, 3))  # the workers are idle now: the append alone must wake them
+    assert all(s.wait_for(5, timeout=10) for s in sinks.values())
+    flushed(5)
+    t0 = time.monotonic()
+    d.close(5)
+    assert time.monotonic() - t0 < 3  # not the minute an idle worker would otherwise sleep
+    assert not any(w.thread.is_alive() for w in d.workers.values())

@@ -1,0 +1,50 @@
+"""status.json is rewritten when something changes, and otherwise only every `refresh` seconds."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from forwarder.status import STATUS_FILE, StatusReporter
+
+
+def test_rewritten_on_change_not_on_every_poll_but_refreshed(tmp_path: Path) -> None:
+    state: dict[str, Any] = {"imds": {"polls": 0, "last_poll_ok": "t0", "imds_errors": 0}, "sinks": {}}
+    lock = threading.Lock()
+
+    def snapshot() -> dict[str, Any]:
+        with lock:
+            return orjson.loads(orjson.dumps(state))
+
+    def written() -> dict[str, Any]:
+        return orjson.loads((tmp_path / STATUS_FILE).read_bytes())
+
+    def wait_for(check: Any, timeout: float) -> None:
+        started = time.monotonic()
+        while time.monotonic() - started < timeout:
+            if check():
+                return
+            time.sleep(0.01)
+        raise AssertionError("status.json did not show the expected content in time")
+
+    stop = threading.Event()
+    reporter = StatusReporter(tmp_path, snapshot, stop, interval=0.05, refresh=1.5)
+    reporter.write()
+    reporter.start()
+    try:
+        with lock:  # a change that matters: written within about one interval
+            state["imds"]["imds_errors"] = 1
+        wait_for(lambda: written()["imds"]["imds_errors"] == 1, 5)
+        first = written()["updated"]
+        with lock:  # only the poll count and time move: no rewrite for those alone...
+            state["imds"]["polls"] = 50
+            state["imds"]["last_poll_ok"] = "t1"
+        time.sleep(0.5)  # ten check intervals in which nothing may be written
+        assert written()["imds"]["polls"] == 0 and written()["updated"] == first
+        # ...until the refresh is due
+        wait_for(lambda: written()["imds"]["polls"] == 50, 5)
+    finally:
+        stop.set()
