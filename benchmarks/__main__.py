@@ -126,7 +126,7 @@ def _table(doc: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="smaller sizes: the whole run takes under 10 minutes")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes: the whole run takes about 3 minutes (goal: under 10)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, only checks that everything runs")
     parser.add_argument("--only", action="append", choices=BENCHMARKS, metavar="NAME",
                         help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
