@@ -19,15 +19,19 @@ from benchmarks.plots import draw
 BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet")
 
 
-def _get(results: dict[str, Any], path: str) -> Any:
-    """``"bench.a.b"`` inside ``results[bench]["figures"]``, or None."""
-    name, *keys = path.split(".")
-    value: Any = results.get(name, {}).get("figures")
-    for key in keys:
+def _at(value: Any, path: str) -> Any:
+    """The value at dotted ``path`` inside nested dicts, or None."""
+    for key in path.split("."):
         if not isinstance(value, dict):
             return None
         value = value.get(key)
     return value
+
+
+def _get(results: dict[str, Any], path: str) -> Any:
+    """``"bench.a.b"`` inside ``results[bench]["figures"]``, or None."""
+    name, _, rest = path.partition(".")
+    return _at(results.get(name, {}).get("figures"), rest)
 
 
 # The headline figures, named as in the performance issue, and where each benchmark keeps them.
@@ -62,9 +66,7 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
 
 
 def _num(s: dict[str, Any], path: str) -> float | None:
-    value: Any = s
-    for key in path.split("."):
-        value = value.get(key) if isinstance(value, dict) else None
+    value = _at(s, path)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
@@ -17,7 +15,7 @@ from typing import Any
 import orjson
 import psutil
 
-from benchmarks.agents import FirstGets, spawn_agent
+from benchmarks.agents import FirstGets, spawn_agent, stop_agents
 from benchmarks.common import ROOT, Sizes, goal, result, scratch_dir
 from forwarder.emulator import Emulator
 from forwarder.journal import MAGIC, SEGMENT_PREFIX, decode_at
@@ -183,13 +181,7 @@ class _Agent:
         return {"rss": rss, "peak": peak, "threads": self.handle.num_threads()}
 
     def stop(self) -> None:
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        stop_agents([self.proc], timeout=15)
 
 
 def _wait_delivered(agents: dict[str, _Agent], peers: _Peers, event_id: str) -> dict[str, bool]:

@@ -17,9 +17,7 @@ each change lands is uniform for every agent.
 """
 from __future__ import annotations
 
-import math
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,7 +30,7 @@ from typing import IO, Any
 
 import orjson
 
-from benchmarks.agents import spawn_agent
+from benchmarks.agents import spawn_agent, stop_agents
 from benchmarks.common import ROOT, Sizes, goal, result, scratch_dir
 from forwarder.emulator import Emulator
 from forwarder.signing import generate_secret
@@ -181,16 +179,8 @@ class _Agent:
         if self.proc.poll() is not None:
             raise RuntimeError(f"agent {self.vm} exited with {self.proc.returncode}: see {self.log}")
 
-    def signal_stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-
-    def reap(self) -> None:
-        try:
-            self.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+    def close_pipe(self) -> None:
+        """After the process is gone: let the reader see the end of stdout, then close it."""
         self._reader.join(5)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
@@ -259,20 +249,14 @@ def _widest_gap_middle(phases: list[float], interval: float) -> float:
     return (start + gap / 2) % interval
 
 
-def _percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
 def _summary(values: list[float]) -> dict[str, Any]:
     if not values:
         return {"p50": None, "p90": None, "p99": None, "max": None, "mean": None, "count": 0}
+    # "inclusive": linear interpolation between closest ranks, numpy's default percentile.
+    cuts = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
     return {
-        "p50": round(_percentile(values, 50), 2), "p90": round(_percentile(values, 90), 2),
-        "p99": round(_percentile(values, 99), 2), "max": round(max(values), 2),
+        "p50": round(cuts[49], 2), "p90": round(cuts[89], 2),
+        "p99": round(cuts[98], 2), "max": round(max(values), 2),
         "mean": round(statistics.fmean(values), 2), "count": len(values),
     }
 
@@ -371,15 +355,13 @@ def run(sizes: Sizes) -> dict[str, Any]:
             stall_after, window = _cpu_stall_us(), time.monotonic() - window_start
             phase_gap = min(g for g, _ in _gaps(tap.phases(interval), interval)) if len(vms) > 1 else interval
         finally:
+            stop_agents([a.proc for a in agents], timeout=15)
             for a in agents:
-                a.signal_stop()
-            for a in agents:
-                a.reap()
+                a.close_pipe()
     expected = plan.agents * plan.changes
     det, proc = _summary(detection), _summary(processing)
     det_goal = detection_goal_ms(interval)
     figures = {
-        "poll_interval_ms": round(interval * 1000),
         "agents": plan.agents,
         "changes": plan.changes,
         "change_kinds": kinds,

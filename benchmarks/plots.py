@@ -47,7 +47,7 @@ def _latency(plt: Any, doc: dict[str, Any], fig_data: dict[str, Any], samples: d
              path: Path) -> Path:
     detection = samples.get("detection") or []
     processing = samples.get("processing") or []
-    interval = (fig_data.get("detection_latency_ms") or {}).get("poll_interval_ms") or fig_data.get("poll_interval_ms")
+    interval = (fig_data.get("detection_latency_ms") or {}).get("poll_interval_ms")
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     if detection:
         _cdf(left, detection, "detection", "tab:blue")

@@ -9,22 +9,18 @@ from typing import Any
 
 import psutil
 
+from benchmarks.agents import spawn_agent
 from benchmarks.common import ROOT, Sizes, cpu_seconds, goal, result, scratch_dir
 from forwarder.emulator import Emulator
 
 RSS_GOAL_MIB = 40.0
 CPU_GOAL_MS = 0.5
+LOGS = {"sefwd": lambda work: work / "sefwd" / "agent.log", "seed": lambda work: work / "seed.log"}
 
 
 def _agent(emu: Emulator, work: Path, interval: float) -> subprocess.Popen[bytes]:
-    config = work / "sefwd.toml"
-    config.write_text(
-        f'[imds]\nendpoint = "{emu.vm_url("sefwd")}"\npoll_interval = "{int(interval * 1000)}ms"\n'
-        f'[state]\ndir = "{work / "state"}"\n'
-        '[agent]\nheartbeat = "0"\n'
-        '[[sinks]]\ntype = "stdout"\nname = "stdout"\n'
-    )
-    return _spawn([sys.executable, "-m", "forwarder", "run", "--config", str(config)], work / "sefwd.log")
+    return spawn_agent(emu, work / "sefwd", "sefwd", '[[sinks]]\ntype = "stdout"\nname = "stdout"\n',
+                       poll_interval_ms=int(interval * 1000))
 
 
 def _seed(emu: Emulator, work: Path, interval: float) -> subprocess.Popen[bytes]:
@@ -54,7 +50,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
             while min(_gets(emu, n) for n in names) < 3:  # both are up and polling
                 for n, p in procs.items():
                     if p.poll() is not None:
-                        raise RuntimeError(f"{n} exited with {p.returncode}: see {work / (n + '.log')}")
+                        raise RuntimeError(f"{n} exited with {p.returncode}: see {LOGS[n](work)}")
                 if time.monotonic() > deadline:
                     raise RuntimeError("the pollers did not start within 60 s")
                 time.sleep(0.1)

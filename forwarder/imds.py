@@ -98,8 +98,7 @@ class ImdsClient:
         # nothing else ever adds a query, so it cannot be duplicated (IMDS rejects duplicates).
         self.events_url = f"{base}/metadata/scheduledevents?api-version={quote(api_version, safe='')}"
         self.compute_url = f"{base}/metadata/instance/compute?api-version={quote(compute_api_version, safe='')}"
-        parts = urlsplit(base)
-        self._pool = _Pool(parts.scheme, parts.hostname or "", parts.port, parts.netloc, connect_timeout)
+        self._pool = _Pool(base, connect_timeout)
         self._headers = {"Metadata": "true", "User-Agent": f"sefwd/{__version__}", "Accept": "application/json"}
         self._events_raw = self._pool.encode("GET", self.events_url, self._headers)
         self._etag: str | None = None
@@ -333,14 +332,15 @@ class _Pool:
 
     MAX_IDLE = 2
 
-    def __init__(self, scheme: str, host: str, port: int | None, netloc: str, connect_timeout: float) -> None:
-        self.host = host
-        self.port = port or (443 if scheme == "https" else 80)
-        self.netloc = netloc
+    def __init__(self, base_url: str, connect_timeout: float) -> None:
+        parts = urlsplit(base_url)
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.netloc = parts.netloc
         self.connect_timeout = connect_timeout
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
-        self._tls = ssl.create_default_context() if scheme == "https" else None  # verification on
+        self._tls = ssl.create_default_context() if parts.scheme == "https" else None  # verification on
 
     def encode(self, method: str, url: str, headers: dict[str, str], body: bytes | None = None) -> bytes:
         """The request's bytes (the poller builds its GET once and sends it again and again)."""

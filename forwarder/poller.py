@@ -290,8 +290,7 @@ class Poller:
         while not self.stop.is_set():
             self.drain_inbox()  # audits that arrived while we waited go before the next document
             wait = self.poll_once()
-            if self.inbox:
-                self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
+            self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
             now = self._mono()
             if now >= next_heartbeat:
                 self.emit_lifecycle("heartbeat", **self.heartbeat_data())
