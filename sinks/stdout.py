@@ -19,7 +19,6 @@ _FRACTION = re.compile(r"\.\d+(?=Z$|[+-]\d\d:\d\d$)")
 _CONTROL = {c: " " for c in range(32)}
 # Fields of approval.* / forwarder.* data that are context, not news, on a one-line summary.
 _SKIPPED_FIELDS = frozenset({"Vm", "ApiVersion", "Extra"})
-_EVENT_ID_KEYS = frozenset({"EventId", "EventIds"})
 
 
 def _time(value: Any) -> str:
@@ -29,9 +28,30 @@ def _time(value: Any) -> str:
     return _FRACTION.sub("", value)
 
 
-def _short_id(value: Any) -> str:
-    text = _text(value)
-    return text[:8] + "…" if len(text) > 8 else text
+# Colour per record family on a terminal; https://no-color.org/ turns it off.
+_COLOURS = {
+    "scheduledevent.scheduled": "33", "scheduledevent.updated": "33", "scheduledevent.started": "1;31",
+    "scheduledevent.completed": "32", "scheduledevent.canceled": "36", "approval.": "34", "forwarder.": "2",
+}
+
+
+def use_colour(stream: Any) -> bool:
+    """Colour only on a terminal, and never when ``NO_COLOR`` is set (to anything) or TERM is dumb."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except (OSError, ValueError):
+        return False
+
+
+def colourize(line: str, rtype: str) -> str:
+    """``line`` in the colour of its record type (ANSI SGR)."""
+    for prefix, code in _COLOURS.items():
+        if rtype == prefix or (prefix.endswith(".") and rtype.startswith(prefix)):
+            return f"\x1b[{code}m{line}\x1b[0m"
+    return line
 
 
 def _text(value: Any) -> str:
@@ -50,7 +70,7 @@ def _text(value: Any) -> str:
 def _scheduled_event(event: dict[str, Any], data: dict[str, Any]) -> list[str]:
     parts = [
         _text(data.get("EventType")),
-        _short_id(data.get("EventId", event.get("subject"))),
+        _text(data.get("EventId", event.get("subject"))),
         _text(data.get("EventStatus")),
     ]
     if data.get("NotBefore"):
@@ -79,11 +99,8 @@ def _key_fields(data: dict[str, Any]) -> list[str]:
             continue
         if key == "EventIds" and value == [data.get("EventId")]:
             continue
-        if key in _EVENT_ID_KEYS:
-            shown = ",".join(_short_id(v) for v in value) if isinstance(value, list) else _short_id(value)
-        else:
-            shown = _text(value)
-        parts.append(f"{key} {shown}")
+        # Ids in full: a person copies them into `sefwd approve`.
+        parts.append(f"{key} {_text(value)}")
     return parts
 
 
@@ -137,9 +154,12 @@ class StdoutSink:
                     return Reject("record_contains_newline", detail=record.id)
             return b"".join(record.body + b"\n" for record in batch)
         lines = []
+        colour = use_colour(self._stream if self._stream is not None else sys.stdout)
         for record in batch:
             try:
-                lines.append(render_pretty(record.to_dict()))
+                event = record.to_dict()
+                line = render_pretty(event)
+                lines.append(colourize(line, _text(event.get("type")) if isinstance(event, dict) else "") if colour else line)
             except ValueError as exc:  # orjson.JSONDecodeError: the body is not JSON
                 return Reject("invalid_json", detail=f"{record.id}: {exc}")
         return ("\n".join(lines) + "\n").encode("utf-8", "replace")

@@ -148,7 +148,7 @@ def test_real_stdout_closed_by_reader_exits_quietly():
 def test_pretty_scheduled_with_not_before():
     line = render_pretty(scheduled_event())
     assert line == (
-        "2026-11-22T06:41:01Z  scheduledevent.scheduled  Freeze  C7061BAC…  Scheduled  "
+        "2026-11-22T06:41:01Z  scheduledevent.scheduled  Freeze  C7061BAC-AFDC-4513-B24B-AA5F13A16123  Scheduled  "
         "NotBefore 2022-04-11T22:26:58Z  Resources WestNO_0,WestNO_1  Duration 5s  (this VM)"
     )
 
@@ -160,7 +160,7 @@ def test_pretty_started_without_not_before_and_not_this_vm():
     )
     line = render_pretty(event)
     assert line == (
-        "2026-11-22T06:41:01Z  scheduledevent.started  Reboot  C7061BAC…  Started  "
+        "2026-11-22T06:41:01Z  scheduledevent.started  Reboot  C7061BAC-AFDC-4513-B24B-AA5F13A16123  Started  "
         "Resources WestNO_0,WestNO_1"
     )
 
@@ -181,10 +181,33 @@ def test_pretty_approval_shows_type_and_key_fields():
     )
     line = render_pretty(event)
     assert line == (
-        "2026-11-22T06:41:01Z  approval.approved  EventId C7061BAC…  Outcome approved  "
+        "2026-11-22T06:41:01Z  approval.approved  EventId C7061BAC-AFDC-4513-B24B-AA5F13A16123  Outcome approved  "
         "Rule freeze-auto  Actor policy  HttpStatus 200"
     )
     assert "WestNO_0" not in line  # the Vm object is context, not news
+
+
+def test_pretty_colour_only_on_a_terminal_and_never_with_no_color(monkeypatch):
+    import pty
+
+    from sinks.stdout import colourize, use_colour
+
+    master, slave = pty.openpty()
+    try:
+        with os.fdopen(slave, "wb", closefd=False) as tty:
+            monkeypatch.delenv("NO_COLOR", raising=False)
+            monkeypatch.setenv("TERM", "xterm")
+            assert use_colour(tty)
+            monkeypatch.setenv("NO_COLOR", "1")
+            assert not use_colour(tty)
+    finally:
+        os.close(master)
+        os.close(slave)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert not use_colour(io.BytesIO())  # a pipe or file: plain text for scripts
+    assert colourize("x", "scheduledevent.started") == "\x1b[1;31mx\x1b[0m"
+    assert colourize("x", "approval.refused").startswith("\x1b[34m")
+    assert colourize("x", "custom.type") == "x"
 
 
 def test_pretty_forwarder_lifecycle():
