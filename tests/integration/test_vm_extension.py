@@ -168,7 +168,7 @@ def test_manifest_names_the_handler_for_every_command() -> None:
     body = manifest[0]["handlerManifest"]
     for op in ("install", "uninstall", "update", "enable", "disable"):
         assert body[f"{op}Command"] == f"handler.py {op}"
-    assert body["rebootAfterInstall"] is False and body["reportHeartbeat"] is False
+    assert body["rebootAfterInstall"] is False and body["reportHeartbeat"] is True
     assert body["updateMode"] == "UpdateWithInstall"
     assert HANDLER.read_text().startswith("#!/usr/bin/env python3\n")
     assert os.access(HANDLER, os.X_OK)
@@ -201,7 +201,7 @@ def test_enable_writes_a_checked_config_and_secret_env_then_restarts(ext: Ext) -
     assert check.returncode == 0, check.stderr
     assert "hook (type webhook)" in check.stdout
     heartbeat = json.loads(ext.heartbeat.read_text())[0]["heartbeat"]
-    assert heartbeat["status"] == "ready"
+    assert heartbeat["status"] == "Ready"
 
     leaked = [p for p in [*ext.log_dir.iterdir(), *ext.status_dir.iterdir(), ext.heartbeat]
               if WEBHOOK_SECRET in p.read_text() or "back\\slash" in p.read_text()]
@@ -254,7 +254,7 @@ def test_rejected_config_reports_every_problem_and_keeps_the_previous_one(ext: E
     assert ext.calls() == calls  # the running agent is left alone
     assert not list(ext.config.parent.glob("*.ext-new"))
     heartbeat = json.loads(ext.heartbeat.read_text())[0]["heartbeat"]
-    assert heartbeat["status"] == "notready" and heartbeat["code"] == 12
+    assert heartbeat["status"] == "NotReady" and heartbeat["code"] == 12
 
 
 def test_a_secret_the_config_needs_must_be_in_protected_settings(ext: Ext) -> None:
@@ -336,7 +336,7 @@ def test_service_manager_failure_is_reported_and_the_restart_retried(ext: Ext) -
     proc = ext.run("enable", STUB_EXIT="5")
     assert proc.returncode == 13
     status = ext.status(0)
-    assert status["status"] == "error" and status["code"] == 13 and "exited 5" in status["formattedMessage"]["message"]
+    assert status["status"] == "error" and status["code"] == 13 and "(exit 5)" in status["formattedMessage"]["message"]
     # The files were swapped in but never applied: the next enable must restart although they match.
     _ok(ext.run("enable"))
     assert ext.calls()[-1] == "restart sefwd.service"
