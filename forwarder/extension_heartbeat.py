@@ -34,6 +34,8 @@ def heartbeat(snapshot: dict[str, Any] | None, *, stopped: bool = False) -> list
     )
     if stopped:
         ready, text = False, f"sefwd stopped (last IMDS poll ok {last_ok})"
+    elif not imds.get("polls"):
+        ready, text = True, "sefwd starting: first IMDS poll under way"
     elif failures >= FAILING_POLLS:
         ready, text = False, f"sefwd running but IMDS failing: {failures} polls in a row failed (last ok {last_ok})"
     else:

@@ -50,6 +50,7 @@ INSTALL_EXTRAS = "all"
 # waagent keeps a status message whole but the portal shows about 1,000 characters: messages put
 # the cause first, so a cut only loses detail.
 MAX_MESSAGE = 1000
+TRUNCATED = " ... [truncated]"
 
 # What waagent allows each command before it SIGKILLs the command's process group (seconds).
 GUEST_AGENT_LIMITS = {"install": 900, "enable": 300, "disable": 900, "uninstall": 300, "update": 900}
@@ -431,8 +432,8 @@ def utc_now() -> str:
 
 def write_status(status_folder: str, seq: int, operation: str, status: str, code: int, message: str) -> None:
     """Write ``<seq>.status`` (atomically: waagent may read it at any moment)."""
-    if len(message) > MAX_MESSAGE:
-        message = message[: MAX_MESSAGE - 15] + " ... [truncated]"
+    if len(message) > MAX_MESSAGE:  # the start holds the cause
+        message = message[: MAX_MESSAGE - len(TRUNCATED)] + TRUNCATED
     doc = [{
         "version": 1.0,
         "timestampUTC": utc_now(),
