@@ -416,7 +416,7 @@ def test_the_readme_example_settings_enable(ext: Ext) -> None:
 
 # -- under a simulated guest agent (tests/peers/guest_agent.py) ---------------------------------------
 
-SCALE = 0.04  # every limit and budget in miniature: enable's 300 s become 12 s, its steps' 240 s 9.6 s
+SCALE = 0.05  # hang tests: every limit and budget in miniature (enable's 300 s become 15 s, its steps' 240 s 12 s)
 GA_STUB = """#!/bin/sh
 echo "$*" >> "$STUB_CALLS"
 case "$*" in
@@ -464,7 +464,7 @@ def repackage(src: Path, dest: Path, files: dict[str, str]) -> Path:
 class Vm:
     """A VM under the simulated guest agent: a temporary root, a service-manager stub, waagent's certificate."""
 
-    def __init__(self, tmp: Path, waagent: tuple[Path, str], scale: float = SCALE, **switches: str) -> None:
+    def __init__(self, tmp: Path, waagent: tuple[Path, str], scale: float = 1.0, **switches: str) -> None:
         self.tmp, (self.waagent_dir, self.thumbprint) = tmp, waagent
         self.root = tmp / "root"
         self.root.mkdir()
@@ -590,7 +590,9 @@ def test_an_install_failure_reaches_azure_cause_first(vm: Vm, package: Path, tmp
     assert "Collecting package-299" in log
 
 
-def test_steps_past_their_budget_are_killed_before_the_guest_agent_would(vm: Vm, package: Path) -> None:
+def test_steps_past_their_budget_are_killed_before_the_guest_agent_would(
+        tmp_path: Path, waagent: tuple[Path, str], package: Path) -> None:
+    vm = Vm(tmp_path, waagent, scale=SCALE)
     assert vm.ga.enable(package, "1.0.0", vm.settings(0, PUBLIC))
     vm.ga.env["STUB_HANG"] = "restart*"
     assert not vm.ga.enable(package, "1.0.0", vm.settings(1, {**PUBLIC, "imds": {"poll_interval": "4s"}}))
@@ -609,7 +611,8 @@ def test_steps_past_their_budget_are_killed_before_the_guest_agent_would(vm: Vm,
     assert "config check did not finish" in vm.report().settings_status["message"]  # type: ignore[index]
 
 
-def test_uninstall_fits_its_limit_when_everything_hangs(vm: Vm, package: Path, tmp_path: Path) -> None:
+def test_uninstall_fits_its_limit_when_everything_hangs(tmp_path: Path, waagent: tuple[Path, str], package: Path) -> None:
+    vm = Vm(tmp_path, waagent, scale=SCALE)
     pkg = repackage(package, tmp_path / "hanging.zip", {
         "wheels/scheduled_events_forwarder-0.1.0-py3-none-any.whl": "",
         "linux/install.sh": "#!/bin/sh\necho installed\n", "linux/uninstall.sh": "#!/bin/sh\nsleep 600\n"})
