@@ -342,7 +342,7 @@ def render_config(public: dict) -> str:
 
 
 ENV_HEADER = (
-    "# Written by the sefwd Azure VM extension from protectedSettings.env (mode 0600).\n"
+    "# Written by the sefwd Azure VM extension from protectedSettings.env, plus its heartbeat file (mode 0600).\n"
     "# Read by sefwd.service (EnvironmentFile=); edits are overwritten by the next enable.\n"
 )
 
