@@ -72,6 +72,7 @@ class AgentConfig:
     heartbeat: float
     log_level: str
     drain_timeout: float
+    heartbeat_file: Path | None = None  # the Azure VM extension's liveness file (forwarder.extension_heartbeat)
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,11 @@ def _telemetry_listen(value: Any) -> tuple[str, int]:
     return parse_listen(f"127.0.0.1:{text}" if text.isdigit() else text)
 
 
+def _optional_file(value: Any) -> Path | None:
+    text = _string(value).strip()
+    return Path(text).expanduser() if text else None
+
+
 def _nonempty(value: Any) -> str:
     text = _string(value).strip()
     if not text:
@@ -259,6 +265,7 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "heartbeat": _Key("5m", _duration(0.0)),
         "log_level": _Key("info", _log_level),
         "drain_timeout": _Key("10s", _duration(0.0)),
+        "heartbeat_file": _Key("", _optional_file),
     },
     "journal": {
         "max_size": _Key("256MiB", _size(1024 * 1024)),
@@ -696,6 +703,9 @@ log_level = "info"
 # On shutdown, how long sinks may keep delivering the backlog before the agent exits
 # (undelivered records stay in the journal and are sent on the next start).
 drain_timeout = "10s"
+# A file rewritten every 30 s in the Azure guest agent's heartbeat format (Ready/NotReady and a
+# one-line summary); the VM extension sets it. "" (the default) writes none.
+heartbeat_file = ""
 
 [journal]
 # The crash-safe buffer between polling and delivery (under the state dir). When it would grow

@@ -11,6 +11,7 @@ from forwarder.config import Config
 from forwarder.dispatcher import Dispatcher
 from forwarder.journal import Journal
 from forwarder.errors import ConfigError, ImdsError
+from forwarder.extension_heartbeat import HeartbeatFile
 from forwarder.identity import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.poller import Poller
@@ -184,6 +185,8 @@ class Agent:
                 reporter = StatusReporter(cfg.state.dir, lambda: self.snapshot(outbox, poller), self.stop)
                 reporter.write()
                 reporter.start()
+                if cfg.agent.heartbeat_file is not None:  # set by the Azure VM extension
+                    HeartbeatFile(cfg.agent.heartbeat_file, lambda: self.snapshot(outbox, poller), self.stop).start()
                 telemetry.bind(snapshot=outbox.snapshot, poller=poller)
                 telemetry.start()
                 self.ready.set()

@@ -10,6 +10,7 @@ in README.md next to this file, as are the switches tests use:
   SEFWD_EXT_SERVICE_CMD   command called instead of ``systemctl`` (same arguments)
   SEFWD_EXT_SEFWD_CMD     command used for ``sefwd config check`` instead of the installed agent
   SEFWD_EXT_SKIP_INSTALL  "1": install/uninstall do not run deploy/linux/install.sh/uninstall.sh
+  SEFWD_EXT_TIME_SCALE    multiplies every step budget (tests run the budgets in miniature)
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import logging
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,13 +40,38 @@ UPDATE_MARKER_MAX_AGE = 2 * 3600.0
 # Left while a changed config/env has not been applied by a restart (the service manager failed):
 # the next enable restarts even though the files no longer differ.
 RESTART_MARKER = "/etc/sefwd/.extension-restart-pending"
+# With reportHeartbeat on, waagent's heartbeatFile is a symlink to this file, which the running
+# agent rewrites ([agent] heartbeat_file): the service may write only under its StateDirectory.
+AGENT_HEARTBEAT = "/var/lib/sefwd/extension-heartbeat.json"
+HEARTBEAT_ENV = "SEFWD_AGENT_HEARTBEAT_FILE"
 SEFWD_CANDIDATES = ("/opt/sefwd/venv/bin/sefwd", "/opt/sefwd/bin/sefwd", "/usr/local/bin/sefwd", "/usr/bin/sefwd")
 STAGED_SUFFIX = ".ext-new"
 INSTALL_EXTRAS = "all"
-MAX_MESSAGE = 1000  # the portal shows at most 1024 characters of a status message
-CHECK_TIMEOUT = 120.0
-SERVICE_TIMEOUT = 120.0
-INSTALL_TIMEOUT = 840.0  # waagent kills install after 900 s
+# waagent keeps a status message whole but the portal shows about 1,000 characters: messages put
+# the cause first, so a cut only loses detail.
+MAX_MESSAGE = 1000
+TRUNCATED = " ... [truncated]"
+
+# What waagent allows each command before it SIGKILLs the command's process group (seconds).
+GUEST_AGENT_LIMITS = {"install": 900, "enable": 300, "disable": 900, "uninstall": 300, "update": 900}
+MARGIN = 60  # every command's worst case ends at least this long before waagent's limit
+# The longest each step may take; a step past its budget has its process group killed and
+# fails with its own message. The sum per command is its worst case (see COMMAND_STEPS).
+BUDGETS = {
+    "openssl": 30,  # decrypting protectedSettings: milliseconds normally
+    "config check": 90,  # `sefwd config check`: a Python start, ~1 s normally
+    "systemctl enable": 30,
+    "systemctl start": 90,  # start/restart/stop/disable --now: the unit's TimeoutStopSec 30 s + TimeoutStartSec 30 s
+    "install.sh": 780,  # a venv and pip install from the package index
+    "uninstall.sh": 150,  # stop (already stopped), daemon-reload, rm -rf the venv, userdel
+}
+COMMAND_STEPS = {
+    "install": ("install.sh",),
+    "enable": ("openssl", "config check", "systemctl enable", "systemctl start"),
+    "disable": ("systemctl start",),
+    "uninstall": ("systemctl start", "uninstall.sh"),
+    "update": (),
+}
 
 # Status codes (also the handler's exit status).
 OK = 0
@@ -109,22 +136,29 @@ class HandlerEnvironment:
         return cls(env["logFolder"], env["configFolder"], env["statusFolder"], env.get("heartbeatFile"))
 
 
-def setup_logging(log_folder: str | None) -> None:
-    """Log to stderr (waagent keeps it) and to <logFolder>/handler.log."""
+def setup_logging(log_folder: str | None) -> str | None:
+    """Log to <logFolder>/handler.log (its path), else stderr.
+
+    Not both: waagent reports only the first ~3,200 characters of a command's output, so stdout
+    carries just the one-line outcome (see main) and nothing pushes it out of that window.
+    """
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(message)s")
     root = logging.getLogger()
     root.setLevel(logging.INFO)
+    if log_folder:
+        path = os.path.join(log_folder, "handler.log")
+        try:
+            os.makedirs(log_folder, exist_ok=True)
+            fh = logging.FileHandler(path, encoding="utf-8")
+            fh.setFormatter(fmt)
+            root.addHandler(fh)
+            return path
+        except OSError as exc:
+            print("cannot log to {}: {}".format(path, exc), file=sys.stderr)
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(fmt)
     root.addHandler(stream)
-    if log_folder:
-        try:
-            os.makedirs(log_folder, exist_ok=True)
-            fh = logging.FileHandler(os.path.join(log_folder, "handler.log"), encoding="utf-8")
-            fh.setFormatter(fmt)
-            root.addHandler(fh)
-        except OSError as exc:
-            log.warning("cannot log to %s: %s", log_folder, exc)
+    return None
 
 
 # -- sequence number, settings, protected settings ---------------------------------------------------
@@ -155,12 +189,22 @@ def read_settings(config_folder: str, seq: int | None) -> tuple[dict, dict]:
         return {}, {}
     try:
         with open(path, encoding="utf-8-sig") as f:
-            data = json.load(f)
+            text = f.read()
     except (OSError, ValueError) as exc:
         raise HandlerError("cannot read settings file {}: {}".format(path, exc), E_SETTINGS)
+    if not text.strip():
+        # waagent writes an empty <seq>.settings when the extension has no settings at all.
+        log.info("settings file %s is empty: using empty settings", path)
+        return {}, {}
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise HandlerError("settings file {} is not JSON: {}".format(path, exc), E_SETTINGS)
     try:
         runtime = data.get("runtimeSettings") or [{}]
         handler = runtime[0].get("handlerSettings") or {}
+        if not isinstance(handler, dict):
+            raise TypeError(type(handler).__name__)
     except (AttributeError, IndexError, TypeError):
         raise HandlerError("{}: expected runtimeSettings[0].handlerSettings".format(path), E_SETTINGS)
     public = handler.get("publicSettings") or {}
@@ -198,19 +242,17 @@ def decrypt_protected(blob: str, thumbprint: str | None) -> dict:
         der = base64.b64decode(blob, validate=False)
     except (ValueError, TypeError) as exc:
         raise HandlerError("protectedSettings is not base64: {}".format(exc), E_SETTINGS)
+    argv = ["openssl", "smime", "-decrypt", "-inform", "DER", "-recip", cert, "-inkey", key]
     try:
-        proc = subprocess.run(
-            ["openssl", "smime", "-decrypt", "-inform", "DER", "-recip", cert, "-inkey", key],
-            input=der, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise HandlerError("cannot run openssl to decrypt protectedSettings: {}".format(exc), E_SETTINGS)
-    if proc.returncode != 0:
-        detail = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+        code, plain, err = run_bounded(argv, "openssl", input=der, merge=False)
+    except (OSError, StepTimeout) as exc:
+        raise HandlerError("cannot decrypt protectedSettings: openssl: {}".format(exc), E_SETTINGS)
+    if code != 0:
+        detail = err.decode("utf-8", "replace").strip().splitlines()
         raise HandlerError("decrypting protectedSettings with certificate {} failed: {}".format(
-            thumbprint, detail[0] if detail else "exit {}".format(proc.returncode)), E_SETTINGS)
+            thumbprint, detail[0] if detail else "exit {}".format(code)), E_SETTINGS)
     try:
-        value = json.loads(proc.stdout.decode("utf-8"))
+        value = json.loads(plain.decode("utf-8"))
     except ValueError:
         # never echo the plaintext: it holds secrets
         raise HandlerError("decrypted protectedSettings is not JSON", E_SETTINGS)
@@ -300,7 +342,7 @@ def render_config(public: dict) -> str:
 
 
 ENV_HEADER = (
-    "# Written by the sefwd Azure VM extension from protectedSettings.env (mode 0600).\n"
+    "# Written by the sefwd Azure VM extension from protectedSettings.env, plus its heartbeat file (mode 0600).\n"
     "# Read by sefwd.service (EnvironmentFile=); edits are overwritten by the next enable.\n"
 )
 
@@ -390,8 +432,8 @@ def utc_now() -> str:
 
 def write_status(status_folder: str, seq: int, operation: str, status: str, code: int, message: str) -> None:
     """Write ``<seq>.status`` (atomically: waagent may read it at any moment)."""
-    if len(message) > MAX_MESSAGE:
-        message = message[: MAX_MESSAGE - 15] + " ... [truncated]"
+    if len(message) > MAX_MESSAGE:  # the start holds the cause
+        message = message[: MAX_MESSAGE - len(TRUNCATED)] + TRUNCATED
     doc = [{
         "version": 1.0,
         "timestampUTC": utc_now(),
@@ -406,16 +448,45 @@ def write_status(status_folder: str, seq: int, operation: str, status: str, code
     _write_file(os.path.join(status_folder, "{}.status".format(seq)), json.dumps(doc, indent=1).encode("utf-8"), 0o644)
 
 
-def write_heartbeat(heartbeat_file: str | None, ready: bool, code: int, message: str) -> None:
-    """Best effort: reportHeartbeat is false, so waagent does not require (or read) it."""
-    if not heartbeat_file:
-        return
-    doc = [{"version": 1.0, "heartbeat": {"status": "ready" if ready else "notready", "code": code,
-                                          "formattedMessage": {"lang": "en-US", "message": message}}}]
+def report_heartbeat() -> bool:
+    """The package's HandlerManifest.json says reportHeartbeat (true, or "true" as waagent also accepts)."""
     try:
-        _write_file(heartbeat_file, json.dumps(doc).encode("utf-8"), 0o644)
+        with open(bundled("HandlerManifest.json"), encoding="utf-8-sig") as f:
+            value = json.load(f)[0]["handlerManifest"].get("reportHeartbeat", False)
+    except (OSError, ValueError, LookupError, TypeError, AttributeError):
+        return False
+    return value is True or str(value).strip().lower() == "true"
+
+
+def heartbeat_target(heartbeat_file: str | None) -> str | None:
+    """Where heartbeats go. With reportHeartbeat, waagent's heartbeatFile is made a symlink to the
+    file the running agent refreshes (AGENT_HEARTBEAT), so waagent reads the agent's own liveness."""
+    if not heartbeat_file or not report_heartbeat():
+        return heartbeat_file
+    target = host_path(AGENT_HEARTBEAT)
+    try:
+        if not (os.path.islink(heartbeat_file) and os.readlink(heartbeat_file) == target):
+            link = heartbeat_file + ".new-link"
+            _remove(link)
+            os.symlink(target, link)
+            os.replace(link, heartbeat_file)
     except OSError as exc:
-        log.warning("cannot write heartbeat file %s: %s", heartbeat_file, exc)
+        log.warning("cannot link %s to %s: %s", heartbeat_file, target, exc)
+        return heartbeat_file
+    return target
+
+
+def write_heartbeat(heartbeat_file: str | None, ready: bool, code: int, message: str) -> None:
+    """Best effort: a heartbeat in waagent's format (status Ready/NotReady, as waagent spells them)."""
+    target = heartbeat_target(heartbeat_file)
+    if not target:
+        return
+    doc = [{"version": 1.0, "heartbeat": {"status": "Ready" if ready else "NotReady", "code": code,
+                                          "formattedMessage": {"lang": "en-US", "message": message[:MAX_MESSAGE]}}}]
+    try:
+        _write_file(target, json.dumps(doc).encode("utf-8"), 0o644)
+    except OSError as exc:
+        log.warning("cannot write heartbeat file %s: %s", target, exc)
 
 
 # -- commands the handler runs ------------------------------------------------------------------------
@@ -424,17 +495,93 @@ def _tail(text: str, lines: int = 8) -> str:
     return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:] if line.strip())
 
 
-def service(*args: str) -> None:
-    """``systemctl ARGS`` (or SEFWD_EXT_SERVICE_CMD ARGS); raises HandlerError on failure."""
+_ERROR_LINE = re.compile(r"\berror\b|\bfailed\b|\bnot found\b|\bdenied\b", re.IGNORECASE)
+
+
+def cause_first(text: str, limit: int = 300) -> str:
+    """The likely cause of a failed script's output, then earlier error lines: ``last | earlier; ...``."""
+    lines = [line.strip()[:limit] for line in text.splitlines() if line.strip()]
+    errors = [line for line in lines if _ERROR_LINE.search(line)]
+    if not errors:
+        return " | ".join(reversed(lines[-4:])) or "no output"
+    # A script reports its own verdict last ("install.sh: error: pip install failed"); the tool's
+    # reason (pip's "ERROR: No matching distribution ...") comes just before it.
+    head, earlier = errors[-1], errors[-4:-1]
+    return head + ("; because: " + " / ".join(reversed(earlier)) if earlier else "")
+
+
+def time_scale() -> float:
+    try:
+        scale = float(os.environ.get("SEFWD_EXT_TIME_SCALE") or 1)
+    except ValueError:
+        return 1.0
+    return scale if scale > 0 else 1.0
+
+
+def budget(step: str) -> float:
+    """BUDGETS[step] in seconds (times SEFWD_EXT_TIME_SCALE: tests shrink every budget alike)."""
+    return BUDGETS[step] * time_scale()
+
+
+class StepTimeout(Exception):
+    """A step ran past its budget; its process group was killed."""
+
+    def __init__(self, step: str, seconds: float, output: bytes) -> None:
+        super().__init__("{} did not finish within its {:g} s budget and was killed".format(step, seconds))
+        self.output = output
+
+
+def run_bounded(argv: list, step: str, input: bytes | None = None, merge: bool = True, **kwargs: object) -> tuple:
+    """Run ``argv`` in a new process group for at most budget(step) s: (exit status, stdout, stderr).
+
+    Past the budget the whole group is killed (pip's children with install.sh), so the handler
+    always ends before waagent kills it, and with its own message.
+    """
+    limit = budget(step)
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+                            start_new_session=True, **kwargs)  # type: ignore[call-overload]
+    try:
+        out, err = proc.communicate(input, timeout=limit)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            out, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:  # something left the group and holds the pipe open
+            proc.kill()
+            out = b""
+        raise StepTimeout(step, limit, out or b"")
+    return proc.returncode, out or b"", err or b""
+
+
+def service(*args: str, step: str = "systemctl start") -> None:
+    """``systemctl ARGS`` (or SEFWD_EXT_SERVICE_CMD ARGS) within budget(step); raises HandlerError on failure."""
     cmd = shlex.split(os.environ.get("SEFWD_EXT_SERVICE_CMD") or "systemctl") + list(args)
+    shown = " ".join(cmd)
     log.info("service manager: %s", " ".join(shlex.quote(c) for c in cmd))
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=SERVICE_TIMEOUT)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise HandlerError("{} failed: {}".format(" ".join(cmd), exc), E_SERVICE)
-    if proc.returncode != 0:
-        out = _tail(proc.stdout.decode("utf-8", "replace"))
-        raise HandlerError("{} exited {}: {}".format(" ".join(cmd), proc.returncode, out), E_SERVICE)
+        code, out, _ = run_bounded(cmd, step)
+    except OSError as exc:
+        raise HandlerError("{}: no service manager: {}".format(shown, exc), E_SERVICE)
+    except StepTimeout as exc:
+        raise HandlerError("{}: {}".format(shown, exc), E_SERVICE)
+    if code != 0:
+        text = out.decode("utf-8", "replace")
+        log.info("%s output: %s", shown, text.strip())
+        raise HandlerError("{} failed (exit {}): {}".format(shown, code, cause_first(text)), E_SERVICE)
+
+
+def service_tolerant(*args: str) -> str | None:
+    """``service(ARGS)``, returning the failure instead of raising (disable and uninstall go on)."""
+    try:
+        service(*args)
+    except HandlerError as exc:
+        log.warning("ignored: %s", exc.message)
+        return exc.message
+    return None
 
 
 def sefwd_command() -> list:
@@ -458,13 +605,14 @@ def config_check(config_path: str, env: dict) -> None:
     cmd = sefwd_command() + ["config", "check", "--config", config_path]
     log.info("validating: %s", " ".join(shlex.quote(c) for c in cmd))
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env,
-                              timeout=CHECK_TIMEOUT, cwd=os.path.dirname(config_path))
-    except (OSError, subprocess.TimeoutExpired) as exc:
+        code, _, err = run_bounded(cmd, "config check", merge=False, env=child_env, cwd=os.path.dirname(config_path))
+    except OSError as exc:
         raise HandlerError("cannot run {}: {}".format(cmd[0], exc), E_AGENT_MISSING)
-    if proc.returncode == 0:
+    except StepTimeout as exc:
+        raise HandlerError("sefwd config check (previous config kept): {}".format(exc), E_CONFIG)
+    if code == 0:
         return
-    stderr = proc.stderr.decode("utf-8", "replace")
+    stderr = err.decode("utf-8", "replace")
     problems = [line.strip()[2:] for line in stderr.splitlines() if line.strip().startswith("- ")]
     detail = "; ".join(problems) if problems else _tail(stderr)
     raise HandlerError("publicSettings rejected by sefwd config check (previous config kept): " + detail, E_CONFIG)
@@ -475,17 +623,25 @@ def bundled(*parts: str) -> str:
 
 
 def run_script(argv: list, what: str) -> str:
+    """Run install.sh/uninstall.sh within its budget; its output goes to handler.log only."""
     log.info("running %s: %s", what, " ".join(shlex.quote(a) for a in argv))
     try:
-        proc = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=INSTALL_TIMEOUT, cwd=EXT_DIR)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise HandlerError("{} failed: {}".format(what, exc), E_INSTALL)
-    out = proc.stdout.decode("utf-8", "replace")
-    for line in out.splitlines():
+        code, out, _ = run_bounded(argv, what, cwd=EXT_DIR)
+    except OSError as exc:
+        raise HandlerError("{} could not run: {}".format(what, exc), E_INSTALL)
+    except StepTimeout as exc:
+        _log_output(what, exc.output)
+        raise HandlerError("{}; last output: {}".format(exc, cause_first(exc.output.decode("utf-8", "replace"))), E_INSTALL)
+    _log_output(what, out)
+    text = out.decode("utf-8", "replace")
+    if code != 0:
+        raise HandlerError("{} failed (exit {}): {}".format(what, code, cause_first(text)), E_INSTALL)
+    return text
+
+
+def _log_output(what: str, out: bytes) -> None:
+    for line in out.decode("utf-8", "replace").splitlines():
         log.info("%s: %s", what, line)
-    if proc.returncode != 0:
-        raise HandlerError("{} exited {}: {}".format(what, proc.returncode, _tail(out)), E_INSTALL)
-    return out
 
 
 def install_argv() -> list:
@@ -509,7 +665,7 @@ def uninstall_argv() -> list:
 
 # -- operations ---------------------------------------------------------------------------------------
 
-def op_install(henv: HandlerEnvironment, seq: int) -> str:
+def op_install(henv: HandlerEnvironment, seq: int | None) -> str:
     if _flag("SEFWD_EXT_SKIP_INSTALL"):
         try:
             what = " ".join(install_argv())
@@ -520,14 +676,18 @@ def op_install(henv: HandlerEnvironment, seq: int) -> str:
         run_script(install_argv(), "install.sh")
         message = "sefwd installed (dependencies from PyPI); enable starts it"
     _remove(host_path(UPDATE_MARKER))
+    write_heartbeat(henv.heartbeat_file, False, OK, "sefwd installed, not started yet (enable starts it)")
     return message
 
 
-def op_enable(henv: HandlerEnvironment, seq: int) -> str:
+def op_enable(henv: HandlerEnvironment, seq: int | None) -> str:
     public, protected = read_settings(henv.config_folder, seq)
     env = parse_protected(protected)
+    service_env = dict(env)
+    if report_heartbeat():  # the running agent refreshes the file waagent reads
+        service_env[HEARTBEAT_ENV] = host_path(AGENT_HEARTBEAT)
     config_text = render_config(public).encode("utf-8")
-    env_text = render_env(env).encode("utf-8")
+    env_text = render_env(service_env).encode("utf-8")
     config_path, env_path = host_path(CONFIG_PATH), host_path(ENV_PATH)
     staged_config, staged_env = config_path + STAGED_SUFFIX, env_path + STAGED_SUFFIX
     old_config = _read_bytes(config_path)
@@ -539,7 +699,7 @@ def op_enable(henv: HandlerEnvironment, seq: int) -> str:
     # Validate in place (same directory: a relative state.dir resolves the same), then swap in.
     _write_file(staged_config, config_text, mode)
     try:
-        config_check(staged_config, env)
+        config_check(staged_config, service_env)
     except HandlerError:
         _remove(staged_config)
         raise
@@ -563,7 +723,7 @@ def op_enable(henv: HandlerEnvironment, seq: int) -> str:
         _write_file(restart_marker, b"", 0o644)
     elif os.path.exists(restart_marker):
         changed.append("an earlier, unapplied change")
-    service("enable", UNIT)
+    service("enable", UNIT, step="systemctl enable")
     if changed:
         service("restart", UNIT)
         _remove(restart_marker)
@@ -578,8 +738,13 @@ def op_enable(henv: HandlerEnvironment, seq: int) -> str:
         ", ".join(sorted(env)) or "none")
 
 
-def op_disable(henv: HandlerEnvironment, seq: int) -> str:
-    service("disable", "--now", UNIT)
+def op_disable(henv: HandlerEnvironment, seq: int | None) -> str:
+    # Never fails: waagent runs disable outside its error handling, so a failing disable would
+    # block uninstall and abort an update (the old version would stay).
+    problem = service_tolerant("disable", "--now", UNIT)
+    write_heartbeat(henv.heartbeat_file, False, OK, "sefwd disabled")
+    if problem:
+        return "sefwd may still be running: {} (ignored: disable must not block uninstall or update)".format(problem)
     return "sefwd stopped and disabled"
 
 
@@ -591,36 +756,40 @@ def _update_in_progress() -> bool:
         return False
 
 
-def op_uninstall(henv: HandlerEnvironment, seq: int) -> str:
+def op_uninstall(henv: HandlerEnvironment, seq: int | None) -> str:
     if _update_in_progress():
         # waagent runs the old version's uninstall between the new one's update and install:
         # keep the agent, its config and its journal; the new install upgrades in place.
-        try:
-            service("stop", UNIT)
-        except HandlerError as exc:
-            log.warning("%s", exc.message)
-        return "update in progress: sefwd stopped, installation kept for the new version"
-    try:
-        service("disable", "--now", UNIT)
-    except HandlerError as exc:  # a half-installed agent must still be removable
-        log.warning("%s", exc.message)
+        problem = service_tolerant("stop", UNIT)
+        kept = "update in progress: installation kept for the new version"
+        return "{}; sefwd may still be running: {}".format(kept, problem) if problem else kept + "; sefwd stopped"
+    problem = service_tolerant("disable", "--now", UNIT)  # a half-installed agent must still be removable
+    failure = None
     if _flag("SEFWD_EXT_SKIP_INSTALL"):
         message = "uninstall.sh skipped (SEFWD_EXT_SKIP_INSTALL=1); "
     else:
-        run_script(uninstall_argv(), "uninstall.sh")
-        message = "sefwd uninstalled; "
+        try:
+            run_script(uninstall_argv(), "uninstall.sh")
+            message = "sefwd uninstalled; "
+        except HandlerError as exc:
+            failure = exc  # the config and the secrets go anyway
+            message = ""
     removed = []
-    for path in (CONFIG_PATH, ENV_PATH, CONFIG_PATH + STAGED_SUFFIX, ENV_PATH + STAGED_SUFFIX, RESTART_MARKER, UPDATE_MARKER):
+    for path in (CONFIG_PATH, ENV_PATH, CONFIG_PATH + STAGED_SUFFIX, ENV_PATH + STAGED_SUFFIX, RESTART_MARKER,
+                 UPDATE_MARKER, AGENT_HEARTBEAT):
         if _remove(host_path(path)):
             removed.append(path)
     try:
         os.rmdir(host_path(os.path.dirname(CONFIG_PATH)))
     except OSError:
         pass
-    return message + "removed: " + (", ".join(removed) or "nothing")
+    if failure is not None:
+        raise HandlerError("{}; config and secrets removed anyway".format(failure.message), failure.code)
+    message += "removed: " + (", ".join(removed) or "nothing")
+    return message + ("; the service manager failed (ignored): " + problem if problem else "")
 
 
-def op_update(henv: HandlerEnvironment, seq: int) -> str:
+def op_update(henv: HandlerEnvironment, seq: int | None) -> str:
     previous = os.environ.get("AZURE_GUEST_AGENT_UPDATING_FROM_VERSION", "unknown")
     _write_file(host_path(UPDATE_MARKER), "updating from {} at {}\n".format(previous, utc_now()).encode("utf-8"), 0o644)
     return "update from version {} prepared; install upgrades the agent in place".format(previous)
@@ -629,42 +798,48 @@ def op_update(henv: HandlerEnvironment, seq: int) -> str:
 HANDLERS = {"install": op_install, "enable": op_enable, "disable": op_disable, "uninstall": op_uninstall, "update": op_update}
 
 
+def outcome(operation: str, code: int, message: str) -> str:
+    """The one line printed to stdout: all waagent reports of a handler that is not installed yet."""
+    line = "{} {}: {}".format(operation, "succeeded" if code == OK else "failed (code {})".format(code), message)
+    return line[:MAX_MESSAGE]
+
+
 def main(argv: list | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     command = args[0].lstrip("-").lower() if args else ""
     if command not in HANDLERS:
         print("usage: handler.py install|enable|disable|uninstall|update", file=sys.stderr)
         return 2
+    operation = OPERATIONS[command]
     try:
         henv = HandlerEnvironment.load()
     except HandlerError as exc:
-        setup_logging(None)
-        log.error("%s", exc.message)
+        print(outcome(operation, exc.code, exc.message))
         return exc.code
-    setup_logging(henv.log_folder)
+    log_path = setup_logging(henv.log_folder)
     seq = current_seq(henv.config_folder)
     seq_no = 0 if seq is None else seq
-    operation = OPERATIONS[command]
     log.info("%s (sequence number %s)", operation, seq_no)
     write_status(henv.status_folder, seq_no, operation, "transitioning", OK, "{} in progress".format(operation))
     try:
         message = HANDLERS[command](henv, seq)
+        code = OK
     except HandlerError as exc:
-        log.error("%s failed: %s", operation, exc.message)
-        write_status(henv.status_folder, seq_no, operation, "error", exc.code, exc.message)
-        if command == "enable":
-            write_heartbeat(henv.heartbeat_file, False, exc.code, exc.message)
-        return exc.code
+        code, message = exc.code, exc.message
     except Exception as exc:  # the status file must say what went wrong, whatever it was
         log.exception("%s failed", operation)
-        message = "{} failed: {}: {}".format(operation, type(exc).__name__, exc)
-        write_status(henv.status_folder, seq_no, operation, "error", E_INTERNAL, message)
-        return E_INTERNAL
-    log.info("%s succeeded: %s", operation, message)
-    write_status(henv.status_folder, seq_no, operation, "success", OK, message)
+        code, message = E_INTERNAL, "{}: {}".format(type(exc).__name__, exc)
+    if code != OK:
+        log.error("%s failed: %s", operation, message)
+        if log_path:
+            message += " (details: {})".format(log_path)
+    else:
+        log.info("%s succeeded: %s", operation, message)
+    write_status(henv.status_folder, seq_no, operation, "success" if code == OK else "error", code, message)
     if command == "enable":
-        write_heartbeat(henv.heartbeat_file, True, OK, message)
-    return OK
+        write_heartbeat(henv.heartbeat_file, code == OK, code, message)
+    print(outcome(operation, code, message))
+    return code
 
 
 if __name__ == "__main__":

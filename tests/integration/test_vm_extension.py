@@ -9,6 +9,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 import tomllib
 import zipfile
 from pathlib import Path
@@ -16,6 +17,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from forwarder.emulator import Emulator
+from tests.agent import AgentProcess, wait_until, write_config
+from tests.peers.guest_agent import LIMITS, OUTPUT_MAX, GuestAgent, Report, Settings, format_output
 
 REPO = Path(__file__).resolve().parents[2]
 EXT_SRC = REPO / "deploy" / "vm-extension"
@@ -168,7 +173,7 @@ def test_manifest_names_the_handler_for_every_command() -> None:
     body = manifest[0]["handlerManifest"]
     for op in ("install", "uninstall", "update", "enable", "disable"):
         assert body[f"{op}Command"] == f"handler.py {op}"
-    assert body["rebootAfterInstall"] is False and body["reportHeartbeat"] is False
+    assert body["rebootAfterInstall"] is False and body["reportHeartbeat"] is True
     assert body["updateMode"] == "UpdateWithInstall"
     assert HANDLER.read_text().startswith("#!/usr/bin/env python3\n")
     assert os.access(HANDLER, os.X_OK)
@@ -201,7 +206,7 @@ def test_enable_writes_a_checked_config_and_secret_env_then_restarts(ext: Ext) -
     assert check.returncode == 0, check.stderr
     assert "hook (type webhook)" in check.stdout
     heartbeat = json.loads(ext.heartbeat.read_text())[0]["heartbeat"]
-    assert heartbeat["status"] == "ready"
+    assert heartbeat["status"] == "Ready"
 
     leaked = [p for p in [*ext.log_dir.iterdir(), *ext.status_dir.iterdir(), ext.heartbeat]
               if WEBHOOK_SECRET in p.read_text() or "back\\slash" in p.read_text()]
@@ -254,7 +259,7 @@ def test_rejected_config_reports_every_problem_and_keeps_the_previous_one(ext: E
     assert ext.calls() == calls  # the running agent is left alone
     assert not list(ext.config.parent.glob("*.ext-new"))
     heartbeat = json.loads(ext.heartbeat.read_text())[0]["heartbeat"]
-    assert heartbeat["status"] == "notready" and heartbeat["code"] == 12
+    assert heartbeat["status"] == "NotReady" and heartbeat["code"] == 12
 
 
 def test_a_secret_the_config_needs_must_be_in_protected_settings(ext: Ext) -> None:
@@ -336,7 +341,7 @@ def test_service_manager_failure_is_reported_and_the_restart_retried(ext: Ext) -
     proc = ext.run("enable", STUB_EXIT="5")
     assert proc.returncode == 13
     status = ext.status(0)
-    assert status["status"] == "error" and status["code"] == 13 and "exited 5" in status["formattedMessage"]["message"]
+    assert status["status"] == "error" and status["code"] == 13 and "(exit 5)" in status["formattedMessage"]["message"]
     # The files were swapped in but never applied: the next enable must restart although they match.
     _ok(ext.run("enable"))
     assert ext.calls()[-1] == "restart sefwd.service"
@@ -407,3 +412,297 @@ def test_the_readme_example_settings_enable(ext: Ext) -> None:
     _ok(ext.run("enable"))
     assert "hub, ops" in ext.status(0)["formattedMessage"]["message"]
     assert tomllib.loads(ext.config.read_text()) == example["settings"]
+
+
+# -- under a simulated guest agent (tests/peers/guest_agent.py) ---------------------------------------
+
+SCALE = 0.05  # hang tests: every limit and budget in miniature (enable's 300 s become 15 s, its steps' 240 s 12 s)
+GA_STUB = """#!/bin/sh
+echo "$*" >> "$STUB_CALLS"
+case "$*" in
+    ${STUB_HANG:-__never__}) sleep 600 & echo $! > "$STUB_CALLS.child"; wait; exit 0 ;;
+esac
+case "$*" in
+    ${STUB_FAIL:-__never__}) echo "Failed to $1 sefwd.service: Unit sefwd.service not loaded." >&2; exit 5 ;;
+esac
+exit 0
+"""
+NOISE = "".join(f"Collecting package-{i} (from scheduled-events-forwarder) ... downloading 1.2 MB\n" for i in range(300))
+FAILING_INSTALL = f"""#!/bin/sh
+cat <<'NOISE'
+{NOISE}NOISE
+cat >&2 <<'NOISE'
+{NOISE}NOISE
+echo "ERROR: Could not find a version that satisfies the requirement orjson>=3.9 (from versions: none)" >&2
+echo "ERROR: No matching distribution found for orjson>=3.9" >&2
+echo "install.sh: error: pip install failed (the VM needs access to the package index, or pass a wheel with --source)" >&2
+exit 1
+"""
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The extension zip as build.sh makes it (no wheel: install is skipped or replaced)."""
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run(["bash", str(EXT_SRC / "build.sh"), "--no-wheel", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 0, proc.stderr
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def repackage(src: Path, dest: Path, files: dict[str, str]) -> Path:
+    """``src`` with ``files`` added or replaced (a zip keeps no modes here: waagent adds u+x)."""
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dest, "w") as zout:
+        for item in zin.infolist():
+            if item.filename not in files:
+                zout.writestr(item.filename, zin.read(item))
+        for name, text in files.items():
+            zout.writestr(name, text)
+    return dest
+
+
+class Vm:
+    """A VM under the simulated guest agent: a temporary root, a service-manager stub, waagent's certificate."""
+
+    def __init__(self, tmp: Path, waagent: tuple[Path, str], scale: float = 1.0, **switches: str) -> None:
+        self.tmp, (self.waagent_dir, self.thumbprint) = tmp, waagent
+        self.root = tmp / "root"
+        self.root.mkdir()
+        self.calls_file = tmp / "calls.txt"
+        stub = tmp / "systemctl-stub"
+        stub.write_text(GA_STUB)
+        stub.chmod(0o755)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SEFWD_", "ConfigSequence", "STUB_"))}
+        env.update({
+            "SEFWD_EXT_ROOT": str(self.root), "SEFWD_EXT_WAAGENT_DIR": str(self.waagent_dir),
+            "SEFWD_EXT_SERVICE_CMD": str(stub), "SEFWD_EXT_SEFWD_CMD": f"{sys.executable} -m forwarder",
+            "SEFWD_EXT_SKIP_INSTALL": "1", "SEFWD_EXT_TIME_SCALE": str(scale), "STUB_CALLS": str(self.calls_file),
+            "PYTHONPATH": str(REPO),
+        })
+        env.update(switches)
+        self.ga = GuestAgent(tmp / "lib", env=env, scale=scale)
+        self.config = self.root / "etc/sefwd/config.toml"
+        self.env_file = self.root / "etc/sefwd/env"
+        self.agent_heartbeat = self.root / "var/lib/sefwd/extension-heartbeat.json"
+
+    def settings(self, seq: int, public: dict, protected: dict | None = PROTECTED) -> Settings:
+        if protected is None:
+            return Settings(seq, public)
+        return Settings(seq, public, encrypt(self.waagent_dir, self.thumbprint, protected), self.thumbprint)
+
+    def calls(self) -> list[str]:
+        return self.calls_file.read_text().splitlines() if self.calls_file.exists() else []
+
+    def report(self) -> Report:
+        report = self.ga.report()
+        assert report is not None
+        return report
+
+    def ran(self) -> list[tuple[str, str, int | None]]:
+        return [(r.version, r.command, r.exit_code) for r in self.ga.runs]
+
+
+@pytest.fixture
+def vm(tmp_path: Path, waagent: tuple[Path, str]) -> Vm:
+    return Vm(tmp_path, waagent)
+
+
+def test_every_command_fits_the_guest_agents_limit_with_margin() -> None:
+    handler = load_handler_module()
+    assert handler.GUEST_AGENT_LIMITS == LIMITS  # the handler plans with what the guest agent enforces
+    for command, limit in LIMITS.items():
+        worst = sum(handler.BUDGETS[step] for step in handler.COMMAND_STEPS[command])
+        assert worst + handler.MARGIN <= limit, (command, worst, limit)
+
+
+def test_lifecycle_under_the_guest_agent(vm: Vm, package: Path) -> None:
+    assert vm.ga.enable(package, "1.0.0", vm.settings(0, PUBLIC))
+    assert vm.ran() == [("1.0.0", "install", 0), ("1.0.0", "enable", 0)]
+    report = vm.report()
+    assert report.status == "Ready" and report.message.startswith("sefwd enabled: service restarted")
+    assert report.settings_status is not None
+    assert (report.settings_status["status"], report.settings_status["code"]) == ("success", 0)
+    assert report.settings_status["operation"] == "Enable"
+    # The guest agent's heartbeatFile leads to the file the running agent refreshes.
+    assert os.readlink(vm.ga.heartbeat_file("1.0.0")) == str(vm.agent_heartbeat)
+    assert source_env_file(vm.env_file)["SEFWD_AGENT_HEARTBEAT_FILE"] == str(vm.agent_heartbeat)
+    assert tomllib.loads(vm.config.read_text()) == PUBLIC
+    # Each command's stdout is one line; nothing on stderr: logs are in handler.log.
+    assert all(r.output.startswith("[stdout]\n") and r.output.endswith("[stderr]\n") for r in vm.ga.runs)
+    assert "service manager" in (vm.ga.instances["1.0.0"].log_dir / "handler.log").read_text()
+
+    changed = {**PUBLIC, "imds": {"poll_interval": "3s"}}
+    assert vm.ga.enable(package, "1.0.0", vm.settings(1, changed))
+    assert vm.report().settings_status["status"] == "success"  # type: ignore[index]
+    assert tomllib.loads(vm.config.read_text())["imds"]["poll_interval"] == "3s"
+
+    assert vm.ga.uninstall()
+    assert vm.ran()[-2:] == [("1.0.0", "disable", 0), ("1.0.0", "uninstall", 0)]
+    assert not vm.ga.instances["1.0.0"].dir.exists() and not vm.config.exists() and not vm.env_file.exists()
+    assert not vm.agent_heartbeat.exists()
+
+
+def test_a_goal_state_without_settings_enables_the_defaults(vm: Vm, package: Path) -> None:
+    assert vm.ga.enable(package, "1.0.0", None)
+    settings_file = vm.ga.instances["1.0.0"].dir / "config" / "0.settings"
+    assert settings_file.read_text() == ""  # what the guest agent writes
+    assert vm.ran() == [("1.0.0", "install", 0), ("1.0.0", "enable", 0)]
+    report = vm.report()
+    assert report.status == "Ready" and "stdout (default" in report.message
+    assert report.settings_status is None  # without settings the guest agent reads no status file
+    assert tomllib.loads(vm.config.read_text()) == {}
+
+
+def test_a_rejected_config_reaches_azure_cause_first(vm: Vm, package: Path) -> None:
+    assert vm.ga.enable(package, "1.0.0", vm.settings(0, PUBLIC))
+    bad = {"imds": {"poll_interval": "1ms"}, "sinks": [{"type": "nosuch", "name": "x" * 2000}]}
+    assert not vm.ga.enable(package, "1.0.0", vm.settings(1, bad))
+    run = vm.ga.runs[-1]
+    assert (run.command, run.exit_code) == ("enable", 12)
+    assert run.output.startswith("[stdout]\nEnable failed (code 12): publicSettings rejected by sefwd config check")
+    handler_status = vm.ga.instances["1.0.0"].handler_status
+    assert handler_status is not None and handler_status["code"] == 1009  # the exit code 12 is only text
+    assert handler_status["message"].startswith("[ExtensionOperationError] Non-zero exit code: 12, ")
+    report = vm.report()
+    assert report.code == 1009 and report.status == "NotReady"  # the handler's heartbeat says why
+    assert report.message.startswith("publicSettings rejected by sefwd config check (previous config kept): ")
+    status = report.settings_status
+    assert status is not None and (status["status"], status["code"]) == ("error", 12)
+    assert status["message"].startswith("publicSettings rejected") and len(status["message"]) <= 1000
+    assert "poll_interval" in status["message"][:300]
+    assert tomllib.loads(vm.config.read_text()) == PUBLIC  # the previous config stays
+
+
+def test_an_install_failure_reaches_azure_cause_first(vm: Vm, package: Path, tmp_path: Path) -> None:
+    pkg = repackage(package, tmp_path / "failing.zip", {
+        "wheels/scheduled_events_forwarder-0.1.0-py3-none-any.whl": "", "linux/install.sh": FAILING_INSTALL})
+    vm.ga.env["SEFWD_EXT_SKIP_INSTALL"] = "0"
+    assert not vm.ga.enable(pkg, "1.0.0", vm.settings(0, PUBLIC))
+    assert vm.ran() == [("1.0.0", "install", 14)]
+    report = vm.report()
+    # Not installed: no heartbeat, no status file; only the exit code and the output's head.
+    assert report.settings_status is None and report.code == 1007 and report.status == "NotReady"
+    first_lines = report.message[:600]
+    assert "Install failed (code 14): install.sh failed (exit 1): install.sh: error: pip install failed" in first_lines
+    assert "No matching distribution found for orjson" in first_lines
+    assert "Collecting package-" not in report.message  # the noise stays in handler.log
+    log = (vm.ga.instances["1.0.0"].log_dir / "handler.log").read_text()
+    assert "Collecting package-299" in log
+
+
+def test_steps_past_their_budget_are_killed_before_the_guest_agent_would(
+        tmp_path: Path, waagent: tuple[Path, str], package: Path) -> None:
+    vm = Vm(tmp_path, waagent, scale=SCALE)
+    assert vm.ga.enable(package, "1.0.0", vm.settings(0, PUBLIC))
+    vm.ga.env["STUB_HANG"] = "restart*"
+    assert not vm.ga.enable(package, "1.0.0", vm.settings(1, {**PUBLIC, "imds": {"poll_interval": "4s"}}))
+    run = vm.ga.runs[-1]
+    assert run.exit_code == 13 and run.seconds < LIMITS["enable"] * SCALE  # the handler's own error, in time
+    message = vm.report().settings_status["message"]  # type: ignore[index]
+    assert "restart sefwd.service: systemctl start did not finish within its" in message
+    child = int(Path(f"{vm.calls_file}.child").read_text())
+    wait_until(lambda: not _alive(child), 10, "the stub's child killed with its process group")
+
+    vm.ga.env.pop("STUB_HANG")
+    vm.ga.env["SEFWD_EXT_SEFWD_CMD"] = "sh -c 'sleep 600'"
+    assert not vm.ga.enable(package, "1.0.0", vm.settings(2, PUBLIC))
+    run = vm.ga.runs[-1]
+    assert run.exit_code == 12 and run.seconds < LIMITS["enable"] * SCALE
+    assert "config check did not finish" in vm.report().settings_status["message"]  # type: ignore[index]
+
+
+def test_uninstall_fits_its_limit_when_everything_hangs(tmp_path: Path, waagent: tuple[Path, str], package: Path) -> None:
+    vm = Vm(tmp_path, waagent, scale=SCALE)
+    pkg = repackage(package, tmp_path / "hanging.zip", {
+        "wheels/scheduled_events_forwarder-0.1.0-py3-none-any.whl": "",
+        "linux/install.sh": "#!/bin/sh\necho installed\n", "linux/uninstall.sh": "#!/bin/sh\nsleep 600\n"})
+    vm.ga.env["SEFWD_EXT_SKIP_INSTALL"] = "0"
+    assert vm.ga.enable(pkg, "1.0.0", vm.settings(0, PUBLIC))
+    vm.ga.env["STUB_HANG"] = "*"
+    assert vm.ga.uninstall()
+    disable, uninstall = vm.ga.runs[-2:]
+    assert (disable.command, disable.exit_code) == ("disable", 0)  # a hanging service manager is tolerated
+    assert (uninstall.command, uninstall.exit_code) == ("uninstall", 14) and uninstall.seconds < LIMITS["uninstall"] * SCALE
+    assert not vm.config.exists() and not vm.env_file.exists()  # secrets go even when uninstall.sh fails
+
+
+def test_the_guest_agent_kills_a_command_past_its_limit(tmp_path: Path, waagent: tuple[Path, str], package: Path) -> None:
+    vm = Vm(tmp_path, waagent, scale=0.01)
+    manifest = json.loads((EXT_SRC / "HandlerManifest.json").read_text())
+    manifest[0]["handlerManifest"]["enableCommand"] = "hang.sh"
+    pkg = repackage(package, tmp_path / "hang.zip", {
+        "HandlerManifest.json": json.dumps(manifest),
+        "hang.sh": f"#!/bin/sh\necho started\nsleep 600 &\necho $! > {tmp_path}/child\nwait\n"})
+    assert not vm.ga.enable(pkg, "1.0.0", vm.settings(0, PUBLIC))
+    run = vm.ga.runs[-1]
+    assert (run.command, run.exit_code) == ("enable", None)
+    handler_status = vm.ga.instances["1.0.0"].handler_status
+    assert handler_status is not None and handler_status["code"] == 1011
+    assert handler_status["message"].startswith("[ExtensionError] Timeout(3): ") and "started" in handler_status["message"]
+    wait_until(lambda: not _alive(int((tmp_path / "child").read_text())), 10, "the whole process group killed")
+
+
+def test_disable_never_blocks_uninstall_or_an_update(vm: Vm, package: Path, tmp_path: Path) -> None:
+    assert vm.ga.enable(package, "1.0.0", vm.settings(0, PUBLIC))
+    vm.ga.env["STUB_FAIL"] = "disable*"
+    newer = repackage(package, tmp_path / "newer.zip", {})
+    assert vm.ga.enable(newer, "1.1.0", vm.settings(0, PUBLIC))
+    assert vm.ran()[2:] == [("1.0.0", "disable", 0), ("1.1.0", "update", 0), ("1.0.0", "uninstall", 0),
+                            ("1.1.0", "install", 0), ("1.1.0", "enable", 0)]
+    assert vm.ga.installed == "1.1.0" and vm.report().settings_status["status"] == "success"  # type: ignore[index]
+    assert vm.config.exists()  # the old version's uninstall kept the installation for the new one
+
+    vm.ga.env["STUB_FAIL"] = "*"
+    assert vm.ga.uninstall()
+    assert [r.exit_code for r in vm.ga.runs[-2:]] == [0, 0]
+    assert not vm.config.exists() and not vm.ga.instances["1.1.0"].dir.exists()
+
+
+def test_disable_and_uninstall_are_idempotent_without_a_service_manager(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    for command in ("disable", "disable", "uninstall", "uninstall"):
+        proc = ext.run(command, SEFWD_EXT_SERVICE_CMD=str(ext.dir / "no-such-systemctl"))
+        _ok(proc)
+        assert proc.stderr == "" and len(proc.stdout.splitlines()) == 1
+    message = ext.status(0)["formattedMessage"]["message"]
+    assert "the service manager failed (ignored)" in message and "no service manager" in message
+    assert not ext.config.exists()
+
+
+def test_the_running_agent_keeps_the_heartbeat_fresh(vm: Vm, package: Path, tmp_path: Path) -> None:
+    assert vm.ga.enable(package, "1.0.0", vm.settings(0, {}, protected=None))
+    assert vm.report().message.startswith("sefwd enabled")
+    env = source_env_file(vm.env_file)
+    with Emulator(vms=["myVM"], rate_limit=None) as emu:
+        config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state")
+        agent = AgentProcess(config, tmp_path / "a.log", env=env)
+        try:
+            report = wait_until(lambda: (r := vm.report()).message.startswith("sefwd ") and "enabled" not in r.message
+                                and r, 60, "the agent's own heartbeat")
+            assert report.status == "Ready" and report.message.startswith(("sefwd starting", "sefwd running"))
+        finally:
+            assert agent.terminate() == 0
+    report = vm.report()
+    assert (report.status, report.message.split(" (")[0]) == ("NotReady", "sefwd stopped")
+    stale = time.time() - 601
+    os.utime(vm.agent_heartbeat, (stale, stale))
+    assert vm.report().status == "Unresponsive"  # what the guest agent says once the agent is gone
+
+
+def test_guest_agent_output_window() -> None:
+    small = format_output("a\n", "b\n")
+    assert small == "[stdout]\na\n\n\n[stderr]\nb\n"
+    big = format_output("o" * 5000 + "END-OUT", "e" * 5000 + "END-ERR")
+    assert len(big) <= OUTPUT_MAX and big.count("o") > 1000 and "END-OUT" in big and "END-ERR" in big
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still answers kill(0): count it as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False

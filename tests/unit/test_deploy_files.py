@@ -135,6 +135,16 @@ def test_install_paths_match_the_unit_and_the_vm_extension() -> None:
     assert install.count("../../../opt/sefwd/venv/bin/sefwd") == 1 and uninstall.count("../../../opt/sefwd/venv/bin/sefwd") == 1
 
 
+def test_the_vm_extension_heartbeat_is_where_the_hardened_unit_may_write() -> None:
+    # The agent runs with ProtectSystem=strict: only its StateDirectory (/var/lib/sefwd) is writable,
+    # so the file the extension links waagent's heartbeatFile to must live there.
+    unit = (LINUX / "sefwd.service").read_text()
+    handler = (ROOT / "deploy" / "vm-extension" / "handler.py").read_text()
+    assert "ProtectSystem=strict" in unit and "StateDirectory=sefwd" in unit
+    assert 'AGENT_HEARTBEAT = "/var/lib/sefwd/' in handler
+    assert "TimeoutStopSec=30s" in unit and "TimeoutStartSec=30s" in unit  # the 90 s systemctl budget covers both
+
+
 # -- cloud-init --------------------------------------------------------------------------------
 
 def block_scalar(text: str, anchor: str) -> str:
