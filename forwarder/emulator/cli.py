@@ -59,7 +59,7 @@ def register(subparsers: Any) -> None:
     s.add_argument("--duration", type=int, help="DurationInSeconds (-1 unknown)")
     s.add_argument("--resources", nargs="+", metavar="VM", help="VM names in Resources")
     s.add_argument("--not-before", help='RFC 1123 / ISO time, or "+15m" from now')
-    s.add_argument("--start-after", help='auto-start after this real delay (default: at NotBefore)')
+    s.add_argument("--start-after", help='shorthand for --not-before +DELAY (unapproved, it starts at NotBefore)')
     s.add_argument("--complete-after", help="remove this long after Started")
     s.add_argument("--started", action="store_true", help="appear already Started (hardware failure)")
     for action in ("start", "cancel", "complete"):
