@@ -1,0 +1,71 @@
+"""Two agents, one emulator, one availability set: one folded outcome per EventId (issue 13)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import requests
+
+from forwarder.emulator import Emulator
+from forwarder.outcome import fold
+from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+
+TERMINAL = ("scheduledevent.completed", "scheduledevent.canceled", "scheduledevent.ended")
+
+
+def _terminal(out: Path, event_id: str) -> list[dict]:
+    return [r for r in read_jsonl(out) if r["type"] in TERMINAL and r["subject"] == event_id]
+
+
+def _kinds(out: Path, event_id: str) -> list[str]:
+    return [r["type"].split(".", 1)[1] for r in read_jsonl(out) if r.get("subject") == event_id
+            and r["type"].startswith("scheduledevent.")]
+
+
+def test_two_agents_one_availability_set_fold_to_one_outcome_per_event(tmp_path: Path) -> None:
+    with Emulator(vms=["vm-a", "vm-b"]) as emu:
+        agents, outs, configs = {}, {}, {}
+        for vm in ("vm-a", "vm-b"):
+            (tmp_path / vm).mkdir()
+            configs[vm] = write_config(tmp_path / vm / "c.toml", emu.vm_url(vm), tmp_path / vm / "state")
+            outs[vm] = tmp_path / vm / "out.jsonl"
+            agents[vm] = AgentProcess(configs[vm], tmp_path / vm / "agent.log")
+        ran = emu.schedule(type="Reboot", resources=["vm-a", "vm-b"], not_before="+15m", complete_after=600)
+        called_off = emu.schedule(type="Redeploy", resources=["vm-a", "vm-b"], not_before="+10m")
+        for vm in agents:
+            wait_until(lambda: "scheduled" in _kinds(outs[vm], ran) and "scheduled" in _kinds(outs[vm], called_off),
+                       60, f"{vm}: scheduled records")
+        # Azure calls the Redeploy off while both agents watch: both can prove it.
+        emu.cancel(called_off)
+        for vm in agents:
+            wait_until(lambda: _terminal(outs[vm], called_off), 30, f"{vm}: terminal record of the Redeploy")
+        # vm-a's agent is down while another party on vm-b approves the Reboot early and it runs.
+        agents["vm-a"].kill()
+        http = requests.Session()
+        http.trust_env = False
+        r = http.post(emu.vm_url("vm-b") + "/metadata/scheduledevents", params={"api-version": "2020-07-01"},
+                      headers={"Metadata": "true"}, json={"StartRequests": [{"EventId": ran}]}, timeout=10)
+        assert r.status_code == 200
+        wait_until(lambda: "started" in _kinds(outs["vm-b"], ran), 30, "vm-b: started record")
+        emu.complete(ran)
+        wait_until(lambda: _terminal(outs["vm-b"], ran), 30, "vm-b: terminal record of the Reboot")
+        agents["vm-a"] = AgentProcess(configs["vm-a"], tmp_path / "vm-a" / "agent2.log")
+        wait_until(lambda: _terminal(outs["vm-a"], ran), 60, "vm-a: terminal record after its restart")
+        for agent in agents.values():
+            assert agent.terminate() == 0
+
+    records = {vm: {eid: _terminal(out, eid) for eid in (ran, called_off)} for vm, out in outs.items()}
+    for vm, by_event in records.items():
+        for eid, terminal in by_event.items():
+            assert len({r["id"] for r in terminal}) == 1, (vm, eid)  # one terminal record per VM and event
+            assert {r["eventkey"] for r in terminal} == {f"{eid}:ended"}  # the same key on every VM
+    outcome = {vm: {eid: t[0]["data"]["Outcome"] for eid, t in by_event.items()} for vm, by_event in records.items()}
+    # vm-b saw the Reboot Started; vm-a, down across it, saw only a jump before NotBefore: it does not guess.
+    assert outcome["vm-b"][ran] == "completed" and outcome["vm-a"][ran] == "unknown"
+    assert records["vm-b"][ran][0]["data"]["Evidence"]["Used"] == ["seen_started"]
+    assert records["vm-a"][ran][0]["data"]["Evidence"]["UnseenStates"] == 1
+    assert outcome["vm-a"][called_off] == outcome["vm-b"][called_off] == "canceled"
+    assert records["vm-a"][called_off][0]["data"]["Evidence"]["Used"] == [
+        "gone_before_notbefore", "no_approval", "no_unseen_states", "no_reboot"]
+    # The fleet rule: completed beats unknown beats canceled -> one outcome per EventId.
+    folded = {eid: fold(outcome[vm][eid] for vm in outcome) for eid in (ran, called_off)}
+    assert folded == {ran: "completed", called_off: "canceled"}
