@@ -1,6 +1,7 @@
 """Two agents, one emulator, one availability set: one folded outcome per EventId (issue 13)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import requests
@@ -8,6 +9,9 @@ import requests
 from forwarder.emulator import Emulator
 from forwarder.outcome import fold
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.conftest import ROOT
+
+APP_DIR = ROOT / "deploy" / "consumers" / "remote-approver"
 
 TERMINAL = ("scheduledevent.completed", "scheduledevent.canceled", "scheduledevent.ended")
 
@@ -69,3 +73,19 @@ def test_two_agents_one_availability_set_fold_to_one_outcome_per_event(tmp_path:
     # The fleet rule: completed beats unknown beats canceled -> one outcome per EventId.
     folded = {eid: fold(outcome[vm][eid] for vm in outcome) for eid in (ran, called_off)}
     assert folded == {ran: "completed", called_off: "canceled"}
+
+    # The remote-approver Function applies the same rule to the stream of both VMs' records, in
+    # any order: one "outcome" decision per EventId, a later weaker report is a duplicate.
+    if str(APP_DIR) not in sys.path:
+        sys.path.insert(0, str(APP_DIR))
+    import pipeline
+
+    settings = pipeline.Settings.from_env({"CALLBACK_URL_TEMPLATE": "https://{vm_lower}.invalid/approvals",
+                                           "SEFWD_CALLBACK_SECRET": "whsec_" + "A" * 32})
+    for order in (("vm-a", "vm-b"), ("vm-b", "vm-a")):
+        approver = pipeline.RemoteApprover(settings, approve=lambda *a, **k: {"ok": False})
+        stream = [r for vm in order for r in read_jsonl(outs[vm]) if r["type"] in TERMINAL]
+        decided = [o for o in approver.handle_many(stream) if o["decision"] == "outcome"]
+        final = {o["EventId"]: o["outcome"] for o in decided}
+        assert final == folded, order
+        assert len([o for o in decided if o["EventId"] == called_off]) == 1
