@@ -89,3 +89,29 @@ def test_two_agents_one_availability_set_fold_to_one_outcome_per_event(tmp_path:
         final = {o["EventId"]: o["outcome"] for o in decided}
         assert final == folded, order
         assert len([o for o in decided if o["EventId"] == called_off]) == 1
+
+
+def test_an_approval_recorded_by_sefwd_approve_while_the_agent_is_down_makes_the_vanish_completed(
+        tmp_path: Path) -> None:
+    """The real capture's sequence, with the approval given by `sefwd approve` while the agent is down."""
+    from tests.integration.test_cli import sefwd
+
+    with Emulator(vms=["myVM"], rate_limit=None) as emu:
+        config = write_config(tmp_path / "c.toml", emu.vm_url("myVM"), tmp_path / "state")
+        out = tmp_path / "out.jsonl"
+        event_id = emu.schedule(type="Reboot", source="User", resources=["myVM"], not_before="+15m",
+                                complete_after=600)
+        agent = AgentProcess(config, tmp_path / "a1.log")
+        wait_until(lambda: "scheduled" in _kinds(out, event_id), 60, "scheduled record")
+        agent.kill()
+        done = sefwd("approve", event_id, "--config", str(config))
+        assert done.returncode == 0, done.stderr
+        emu.complete(event_id)  # it ran and ended before the agent looked again: 2 -> 4
+        agent = AgentProcess(config, tmp_path / "a2.log")
+        wait_until(lambda: _terminal(out, event_id), 60, "terminal record after the restart")
+        assert agent.terminate() == 0
+    (terminal,) = _terminal(out, event_id)
+    assert terminal["type"] == "scheduledevent.completed" and terminal["eventkey"] == f"{event_id}:ended"
+    evidence = terminal["data"]["Evidence"]
+    assert evidence["Used"] == ["approval_accepted", "incarnation_jump"] and evidence["UnseenStates"] == 1
+    assert evidence["Rebooted"] is False and evidence["SecondsBeforeNotBefore"] > 600
