@@ -90,6 +90,7 @@ class Poller:
         self.evidence = evidence_from_dict(state.evidence, boot_id())
         if state.document is None:
             self.evidence.document_committed()  # fresh install: nothing was seen at another boot
+        self._waited_since_ok = poll_interval
         self.current: Document | None = None
         self._last_body: bytes | None = state.document.encode() if state.document is not None else None
         if state.document is not None:
@@ -110,13 +111,17 @@ class Poller:
         """One poll; returns how long to wait before the next one."""
         if self.state.pending:
             self.flush_pending()
+        # Both clocks read before the request, so a slow answer is not taken for a pause.
+        started_mono, started_wall = self._mono(), self._wall()
         try:
             fetch = self.imds.scheduled_events()
         except ImdsError as exc:
             return self._failed(exc)
         self.stats.consecutive_failures = 0
         self.stats.last_ok_wall = self._wall()
-        self.evidence.observe_poll(self._mono(), self.stats.last_ok_wall, self.poll_interval + 1.0)
+        # A gap between two good polls longer than the waits in between (plus 1 s) is a pause.
+        self.evidence.observe_poll(started_mono, started_wall, self._waited_since_ok + 1.0)
+        self._waited_since_ok = 0.0
         self._errors.clear("imds")
         body = fetch.body
         if body is None or body == self._last_body:  # 304, or byte-identical: the cheap common path
@@ -312,6 +317,7 @@ class Poller:
         while not self.stop.is_set():
             self.drain_inbox()  # audits that arrived while we waited go before the next document
             wait = self.poll_once()
+            self._waited_since_ok += wait
             self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
             now = self._mono()
             if now >= next_heartbeat:
