@@ -387,7 +387,7 @@ class Platform:
                 elif step.action == "start":
                     self.start_event(args["id"], by="scenario")
                 elif step.action == "approve":
-                    self._scenario_approve(args["id"], args.get("vm"))
+                    self.approve_as(args["id"], args.get("vm"))
                 elif step.action == "cancel":
                     self.cancel(args["id"])
                 elif step.action == "complete":
@@ -402,10 +402,11 @@ class Platform:
             self._steps_left = 0 if step.action == "end" else self._steps_left - 1
             self._check_finished()
 
-    def _scenario_approve(self, event_id: str, vm: str | None) -> None:
-        """Another VM of the availability set POSTs StartRequests (by default the last in Resources)."""
-        ev = self._get(event_id)
-        self.approve(vm or ev.resources[-1], SE_VERSIONS[-1], [ev.id], None)
+    def approve_as(self, event_id: str, vm: str | None = None) -> None:
+        """A VM of the availability set POSTs StartRequests (by default the last in Resources)."""
+        with self.lock:
+            ev = self._get(event_id)
+            self.approve(vm or ev.resources[-1], SE_VERSIONS[-1], [ev.id], None)
 
     def on_fault_step(self, spec: dict[str, Any]) -> None:
         """Replaced by the server to route scenario faults into its queue."""

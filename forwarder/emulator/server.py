@@ -378,9 +378,14 @@ class _Handler(BaseHTTPRequestHandler):
             elif parts == ["events"] and method == "POST":
                 self._send(201, _json({"EventId": emu.schedule(**spec)}))
             elif len(parts) == 3 and parts[0] == "events" and method == "POST" and parts[2] in (
-                    "start", "cancel", "complete", "update"):
+                    "start", "cancel", "complete", "update", "approve"):
                 event_id, action = parts[1], parts[2]
-                if action == "start":
+                if action == "approve":
+                    vm = spec.get("vm")
+                    if vm is not None and not isinstance(vm, str):
+                        raise SpecError('expected {"vm": "<name>"} (optional)')
+                    emu.approve(event_id, vm)
+                elif action == "start":
                     emu.start_event(event_id)
                 elif action == "cancel":
                     emu.cancel(event_id)
@@ -519,7 +524,12 @@ class Emulator:
         return self.platform.schedule(spec)
 
     def start_event(self, event_id: str) -> None:
+        """Force Started now, ignoring NotBefore (the one way to break IMDS's promise on purpose)."""
         self.platform.start_event(event_id)
+
+    def approve(self, event_id: str, vm: str | None = None) -> None:
+        """As if ``vm`` (default: the last VM in Resources) POSTed StartRequests: starts it at once."""
+        self.platform.approve_as(event_id, vm)
 
     def cancel(self, event_id: str) -> None:
         self.platform.cancel(event_id)

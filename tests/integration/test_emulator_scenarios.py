@@ -331,6 +331,13 @@ def test_control_api(emu: Emulator) -> None:
     assert [h["change"] for h in state["history"]] == ["scheduled", "scheduled", "updated", "started (api)", "canceled"]
     assert http.post(ctl + "/events/X1/complete").status_code == 200
     assert http.get(ctl + "/state").json()["events"] == []
+    # Approval as another VM of the set: starts the event at once, recorded as its StartRequests.
+    http.post(ctl + "/events", json={"id": "X2", "type": "Reboot", "resources": ["a", "b"]})
+    assert http.post(ctl + "/events/X2/approve", json={"vm": "a"}).status_code == 200
+    state = http.get(ctl + "/state").json()
+    assert state["events"][0]["StartedBy"] == "approved by a" and state["start_requests"][-1]["vm"] == "a"
+    assert http.post(ctl + "/events/X2/approve", json={"vm": 7}).status_code == 400
+    emu.complete("X2")
 
     r = http.post(ctl + "/faults", json={"kind": "status", "status": 410, "count": 1})
     assert r.status_code == 201 and r.json()["pending"][0]["status"] == 410
@@ -390,6 +397,9 @@ def test_cli_serves_and_ctl_drives_it() -> None:
         assert doc["Events"][0]["EventId"] == "CLI-1"
         state = json.loads(_cli("ctl", url, "state").stdout)
         assert state["events"][0]["Resources"] == ["cli-vm", "other-vm"]
+        assert _cli("ctl", url, "approve", "CLI-1").returncode == 0  # as other-vm, the last in Resources
+        state = json.loads(_cli("ctl", url, "state").stdout)
+        assert state["events"][0]["StartedBy"] == "approved by other-vm"
         assert _cli("ctl", url, "cancel", "CLI-1").returncode == 0
         assert _cli("ctl", url, "cancel", "CLI-1").returncode == 1  # gone now
         proc.send_signal(signal.SIGINT)
