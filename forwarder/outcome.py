@@ -112,9 +112,11 @@ def decide(event: Event, context: EvidenceContext, unseen_states: int | None) ->
 
 
 def unseen_states(before: object, after: object, visible_changes: int) -> int | None:
-    """Incarnation steps no visible change explains; None unless both incarnations are integers."""
+    """Incarnation steps no visible change explains; None unless both are integers and it did not go back."""
     if not isinstance(before, int) or not isinstance(after, int) or isinstance(before, bool) or isinstance(after, bool):
         return None
+    if after < before:
+        return None  # a counter that went back (IMDS reset it): nothing can be told from it
     return max(0, after - before - visible_changes)
 
 

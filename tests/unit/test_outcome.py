@@ -116,6 +116,7 @@ def test_no_cancel_without_knowing_enough() -> None:
         (doc(2, ev()), doc(3), EvidenceContext(now=near)),  # too close to NotBefore
         (doc(2, ev()), doc(3), EvidenceContext(now=GONE_AT, rebooted=None)),  # reboot unknown (restart, no boot id)
         (doc("a", ev()), doc("b"), EvidenceContext(now=GONE_AT)),  # opaque incarnations: a jump can't be excluded
+        (doc(7, ev()), doc(2), EvidenceContext(now=GONE_AT)),  # the counter went back: no telling
         (doc(2, ev()), doc(3), EvidenceContext(now=DUE)),  # gone after NotBefore, no jump: ran or canceled
     ]
     for before, after, ctx in cases:
