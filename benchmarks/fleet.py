@@ -37,6 +37,8 @@ CONNECT_TIMEOUT_S = 120.0  # every agent's forwarder.started record at the hub
 CHANGE_TIMEOUT_S = 90.0  # one change: until every agent's record of it is at the hub
 PEER_POLL_S = 0.1  # how often the consumer reads the hub while it waits for a change's records
 CHANGES = ("scheduled", "started", "completed")
+# eventkey suffix per change: every terminal record shares "<EventId>:ended" (outcome in data).
+KEY_OF = {"scheduled": "scheduled", "started": "started", "completed": "ended"}
 CONN_ENV = "FLEET_EH_CONN"
 
 
@@ -217,7 +219,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
                 else:
                     actions[kind]()
                 changed = time.monotonic()
-                key = f"{event_id}:{kind}"
+                key = f"{event_id}:{KEY_OF[kind]}"
 
                 def arrived(key: str = key) -> dict[str, float]:
                     first: dict[str, float] = {}
@@ -246,7 +248,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
                and isinstance(e.get("data"), dict) and e["data"].get("EventId") == event_id]
     keys = {e.get("eventkey") for e in records}
     pairs = {(_vm_of(e), e.get("eventkey")) for e in records}
-    expected_keys = {f"{event_id}:{k}" for k in CHANGES}
+    expected_keys = {f"{event_id}:{KEY_OF[k]}" for k in CHANGES}
     every_pair = all((vm, k) in pairs for vm in vms for k in expected_keys)
     per_kind = {k: sum(1 for e in records if e.get("type") == f"scheduledevent.{k}") for k in CHANGES}
     burst = burst1 - burst0

@@ -191,9 +191,10 @@ def _changes(emu: Emulator, vms: list[str]) -> Callable[[int], tuple[str, str]]:
     live: dict[str, str] = {}
 
     def new_event() -> str:
-        # No timer may change the document behind our back: start and completion are an hour off.
+        # No timer may change the document behind our back: it starts at NotBefore (20 min or more
+        # away, the emulator never starts it earlier) and completes an hour after that.
         live["id"] = emu.schedule(type="Reboot", source="Platform", resources=vms, not_before="+20m",
-                                  start_after=3600, complete_after=3600)
+                                  complete_after=3600)
         return live["id"]
 
     def update(k: int) -> str:

@@ -773,7 +773,8 @@ hook_timeout = "5m"
 # Bytes of a hook's stdout+stderr kept in the audit record.
 hook_output_limit = "4KiB"
 
-# A command per change kind (scheduled, started, updated, completed, canceled): a list runs
+# A command per change kind (scheduled, started, updated, completed, canceled, ended = gone with
+# an unknown outcome; see data.Outcome and data.Evidence): a list runs
 # without a shell, a string runs with /bin/sh -c. The record is on stdin as JSON; the event is in
 # SEFWD_EVENT_ID, SEFWD_EVENT_TYPE, SEFWD_EVENT_STATUS, SEFWD_EVENT_SOURCE, SEFWD_EVENT_RESOURCES,
 # SEFWD_EVENT_NOT_BEFORE, SEFWD_EVENT_DURATION, SEFWD_EVENT_DESCRIPTION, SEFWD_CHANGE,

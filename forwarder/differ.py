@@ -5,13 +5,19 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from forwarder.document import Document, Event
+from forwarder.outcome import CANCELED as OUTCOME_CANCELED
+from forwarder.outcome import COMPLETED as OUTCOME_COMPLETED
+from forwarder.outcome import EvidenceContext, Outcome, decide, unseen_states
 
 SCHEDULED = "scheduled"
 STARTED = "started"
 UPDATED = "updated"
 COMPLETED = "completed"
 CANCELED = "canceled"
-KINDS = (SCHEDULED, STARTED, UPDATED, COMPLETED, CANCELED)
+GONE = "ended"  # gone, and no evidence says whether it ran (data.Outcome "unknown")
+KINDS = (SCHEDULED, STARTED, UPDATED, COMPLETED, CANCELED, GONE)
+TERMINAL_KINDS = (COMPLETED, CANCELED, GONE)
+_KIND_OF_OUTCOME = {OUTCOME_COMPLETED: COMPLETED, OUTCOME_CANCELED: CANCELED}
 
 # Why an event left the document; "Completed" is never sent by IMDS, so this is inferred.
 ENDED = "ended"  # it had been seen Started
@@ -29,6 +35,7 @@ class Change:
     changed_fields: tuple[str, ...] = ()
     removal_reason: str | None = None
     initial: bool = False
+    outcome: Outcome | None = None  # terminal changes: the decision and its evidence
 
     @property
     def previous_status(self) -> str | None:
@@ -49,11 +56,14 @@ def _removal_reason(event: Event, now: datetime) -> str:
     return GONE_AFTER_NOT_BEFORE
 
 
-def diff(previous: Document | None, current: Document, now: datetime) -> list[Change]:
+def diff(previous: Document | None, current: Document, now: datetime,
+         evidence: EvidenceContext | None = None) -> list[Change]:
     """Changes from ``previous`` to ``current``; ``previous=None`` means a fresh install.
 
     A status change is one ``started`` change listing every other changed field, never an
-    extra ``updated`` beside it. Order: current events in document order, then removals.
+    extra ``updated`` beside it. Order: current events in document order, then removals, whose
+    kind (completed / canceled / ended) ``forwarder.outcome.decide`` takes from ``evidence``
+    (default: a continuously running agent that approved nothing).
     """
     if previous is None:
         return [
@@ -75,8 +85,12 @@ def diff(previous: Document | None, current: Document, now: datetime) -> list[Ch
         else:
             changes.append(Change(UPDATED, event, old, fields))
     present = {e.event_id for e in current.events}
-    for old in previous.events:
-        if old.event_id not in present:
-            kind = COMPLETED if old.started else CANCELED
-            changes.append(Change(kind, old, old, removal_reason=_removal_reason(old, now)))
+    gone = [old for old in previous.events if old.event_id not in present]
+    if gone:
+        context = evidence or EvidenceContext(now=now)
+        unseen = unseen_states(previous.incarnation, current.incarnation, len(changes) + len(gone))
+        for old in gone:
+            outcome = decide(old, context, unseen)
+            kind = _KIND_OF_OUTCOME.get(outcome.outcome, GONE)
+            changes.append(Change(kind, old, old, removal_reason=_removal_reason(old, now), outcome=outcome))
     return changes

@@ -19,6 +19,7 @@ from forwarder.differ import Change, diff
 from forwarder.document import Document, parse_document
 from forwarder.delivery import Outbox
 from forwarder.errors import DocumentError, ForwarderError, ImdsError
+from forwarder.evidence import evidence_from_dict, evidence_to_dict, read_boot_id
 from forwarder.identity import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.logutil import RateLimitedLog
@@ -66,6 +67,7 @@ class Poller:
         stop: threading.Event | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         wallclock: Callable[[], datetime] = utcnow,
+        boot_id: Callable[[], str | None] = read_boot_id,
     ) -> None:
         self.imds = imds
         self.store = store
@@ -84,6 +86,11 @@ class Poller:
         self._rng = random.Random()
         self.stats = PollStats()
         self.started_mono = monotonic()
+        # Evidence for completed/canceled decisions (forwarder.outcome), kept in the state.
+        self.evidence = evidence_from_dict(state.evidence, boot_id())
+        if state.document is None:
+            self.evidence.document_committed()  # fresh install: nothing was seen at another boot
+        self._waited_since_ok = poll_interval
         self.current: Document | None = None
         self._last_body: bytes | None = state.document.encode() if state.document is not None else None
         if state.document is not None:
@@ -104,12 +111,17 @@ class Poller:
         """One poll; returns how long to wait before the next one."""
         if self.state.pending:
             self.flush_pending()
+        # Both clocks read before the request, so a slow answer is not taken for a pause.
+        started_mono, started_wall = self._mono(), self._wall()
         try:
             fetch = self.imds.scheduled_events()
         except ImdsError as exc:
             return self._failed(exc)
         self.stats.consecutive_failures = 0
         self.stats.last_ok_wall = self._wall()
+        # A gap between two good polls longer than the waits in between (plus 1 s) is a pause.
+        self.evidence.observe_poll(started_mono, started_wall, self._waited_since_ok + 1.0)
+        self._waited_since_ok = 0.0
         self._errors.clear("imds")
         body = fetch.body
         if body is None or body == self._last_body:  # 304, or byte-identical: the cheap common path
@@ -124,7 +136,8 @@ class Poller:
             self._notify()
             return self.poll_interval
         self._errors.clear("document")
-        changes = diff(self.current, document, self._wall())
+        now = self._wall()
+        changes = diff(self.current, document, now, self.evidence.context(now, self.factory.vm.names()))
         built: list[Record] = []
 
         def build() -> list[Record]:
@@ -162,6 +175,11 @@ class Poller:
         entries = [e for e in queued + from_spool if isinstance(e, dict) and e.get("Outcome")]
         if not entries:
             return
+        for entry in entries:
+            if entry.get("Outcome") == "approved" and isinstance(entry.get("EventIds"), list):
+                # All-or-nothing: an "approved" entry means IMDS accepted (now or before) every id.
+                ids = [i for i in entry["EventIds"] if isinstance(i, str)]
+                self.evidence.approval_accepted(ids, self._wall())
         if self._emit(lambda: [self.factory.approval(e) for e in entries]):
             for path in spooled:
                 path.unlink(missing_ok=True)  # (a file set aside above is already gone)
@@ -208,6 +226,7 @@ class Poller:
             vm=self.factory.vm.to_dict(),
             pending=[r.body.decode() for r in records],
             pending_index=self.outbox.position(),
+            evidence=self._evidence_after(document),
         )
         try:
             self.store.save(new_state)
@@ -220,8 +239,16 @@ class Poller:
         if body is not None:
             self._last_body = body
             self.current = document
+            self.evidence.document_committed()
         self.flush_pending()
         return True
+
+    def _evidence_after(self, document: Document | None) -> dict[str, Any]:
+        """The evidence to save with this commit: a new document is seen at this boot."""
+        saved = evidence_to_dict(self.evidence)
+        if document is not None:
+            saved["seen_boot_id"] = self.evidence.boot_id
+        return saved
 
     def flush_pending(self) -> bool:
         """Journal the records of the last commit if they are not there yet (startup, after ENOSPC)."""
@@ -290,6 +317,7 @@ class Poller:
         while not self.stop.is_set():
             self.drain_inbox()  # audits that arrived while we waited go before the next document
             wait = self.poll_once()
+            self._waited_since_ok += wait
             self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
             now = self._mono()
             if now >= next_heartbeat:

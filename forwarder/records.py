@@ -8,9 +8,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from forwarder import __version__
-from forwarder.differ import UPDATED, Change
+from forwarder.differ import TERMINAL_KINDS, UPDATED, Change
 from forwarder.document import Document, Event
 from forwarder.identity import VmIdentity
+from forwarder.outcome import TERMINAL_KEY_SUFFIX, terminal_key
 from forwarder.sinkapi import Record
 
 SPEC_VERSION = "1.0"
@@ -49,6 +50,9 @@ def event_key(change: Change) -> str:
     ``updated`` carries a digest of the new values, so two different updates of one event stay
     two logical changes while the copies of one update seen by a whole availability set collapse.
     """
+    if change.kind in TERMINAL_KINDS:
+        # One terminal key whatever this VM concluded: the fleet folds the outcomes in data.
+        return terminal_key(change.event.event_id)
     key = f"{change.event.event_id}:{change.kind}"
     if change.kind == UPDATED:
         key += ":" + _digest(change.event.comparable(), change.changed_fields)
@@ -113,7 +117,9 @@ class RecordFactory:
             discriminator = ""
             if document.incarnation is None:
                 discriminator = _digest(event.comparable(), sorted(event.comparable()))
-            rid = record_id(self.vm.key, event.event_id, change.kind, document.incarnation, discriminator)
+            # A terminal change keeps its id if a re-derivation after a crash concludes differently.
+            id_kind = TERMINAL_KEY_SUFFIX if change.kind in TERMINAL_KINDS else change.kind
+            rid = record_id(self.vm.key, event.event_id, id_kind, document.incarnation, discriminator)
             data = event_data(event)
             data.update(
                 {
@@ -129,6 +135,8 @@ class RecordFactory:
                     "Extra": dict(event.extra),
                 }
             )
+            if change.outcome is not None:
+                data.update(change.outcome.to_data())
             envelope = self._envelope(rid, EVENT_TYPE_PREFIX + change.kind, event.event_id, data, when)
             envelope["eventkey"] = event_key(change)
             out.append(Record.from_dict(envelope))

@@ -30,6 +30,8 @@ class AgentState:
     # Write-ahead: records of the last commit and the journal index they start at.
     pending: list[str] = field(default_factory=list)
     pending_index: int | None = None
+    # forwarder.evidence.evidence_to_dict(): boot id the document was seen at, accepted approvals.
+    evidence: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         return orjson.dumps(
@@ -42,6 +44,7 @@ class AgentState:
                 "saved_at": self.saved_at,
                 "pending": self.pending,
                 "pending_index": self.pending_index,
+                "evidence": self.evidence,
             }
         )
 
@@ -131,6 +134,7 @@ class StateStore:
                 saved_at=obj.get("saved_at"),
                 pending=[str(b) for b in obj.get("pending") or []],
                 pending_index=obj.get("pending_index"),
+                evidence=obj["evidence"] if isinstance(obj.get("evidence"), dict) else {},
             )
             if state.document is not None and not isinstance(state.document, str):
                 raise ValueError("document is not a string")

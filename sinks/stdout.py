@@ -84,6 +84,10 @@ def _scheduled_event(event: dict[str, Any], data: dict[str, Any]) -> list[str]:
         parts.append(f"Changed {_text(data['ChangedFields'])}")
     if data.get("RemovalReason"):
         parts.append(f"Reason {_text(data['RemovalReason'])}")
+    evidence = data.get("Evidence")
+    if data.get("Outcome") and isinstance(evidence, dict):
+        used = evidence.get("Used")
+        parts.append(f"Outcome {_text(data['Outcome'])}" + (f" ({_text(used)})" if used else ""))
     if data.get("Initial") is True:
         parts.append("(initial)")
     if data.get("AffectsThisVm") is True:

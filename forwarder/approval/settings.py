@@ -7,7 +7,7 @@ from pathlib import Path
 
 SCOPES = ("self", "leader", "any", "self_or_leader")
 ACTIONS = ("approve", "hold", "ignore")
-CHANGE_KINDS = ("scheduled", "started", "updated", "completed", "canceled")
+CHANGE_KINDS = ("scheduled", "started", "updated", "completed", "canceled", "ended")
 
 
 @dataclass(frozen=True)

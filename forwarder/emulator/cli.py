@@ -59,12 +59,15 @@ def register(subparsers: Any) -> None:
     s.add_argument("--duration", type=int, help="DurationInSeconds (-1 unknown)")
     s.add_argument("--resources", nargs="+", metavar="VM", help="VM names in Resources")
     s.add_argument("--not-before", help='RFC 1123 / ISO time, or "+15m" from now')
-    s.add_argument("--start-after", help='auto-start after this real delay (default: at NotBefore)')
+    s.add_argument("--start-after", help='shorthand for --not-before +DELAY (unapproved, it starts at NotBefore)')
     s.add_argument("--complete-after", help="remove this long after Started")
     s.add_argument("--started", action="store_true", help="appear already Started (hardware failure)")
     for action in ("start", "cancel", "complete"):
-        a = actions.add_parser(action, help=f"{action} an event now")
+        a = actions.add_parser(action, help=f"{action} an event now" + (" (ignores NotBefore)" if action == "start" else ""))
         a.add_argument("event_id")
+    ap = actions.add_parser("approve", help="approve an event as a VM of the availability set would")
+    ap.add_argument("event_id")
+    ap.add_argument("--vm", help="the approving VM (default: the last in Resources)")
     u = actions.add_parser("update", help="change fields of an event")
     u.add_argument("event_id")
     u.add_argument("--description")
@@ -185,6 +188,9 @@ def _ctl(args: argparse.Namespace) -> int:
         status, out = _ctl_request(args.url, "POST", "events", spec)
     elif action in ("start", "cancel", "complete"):
         status, out = _ctl_request(args.url, "POST", f"events/{args.event_id}/{action}", {})
+    elif action == "approve":
+        body = {"vm": args.vm} if args.vm else {}
+        status, out = _ctl_request(args.url, "POST", f"events/{args.event_id}/approve", body)
     elif action == "update":
         fields = {k: v for k, v in {
             "description": args.description, "duration": args.duration, "resources": args.resources,

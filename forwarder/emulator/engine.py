@@ -81,6 +81,8 @@ class Platform:
         clock: Clock | None = None,
         terminate_notice: float = MIN_NOTICE["Terminate"],
         rate_limit: float | None = 5,
+        token_rate_limit: float | None = 20,
+        token_concurrency: int | None = 5,
     ) -> None:
         if not vms:
             vms = [VmProfile(name="myVM")]
@@ -91,10 +93,16 @@ class Platform:
         self.clock = clock or _utcnow
         self.terminate_notice = terminate_notice
         self.rate_limit = rate_limit
+        self.token_rate_limit = token_rate_limit
+        self.token_concurrency = token_concurrency
+        self._tokens_in_flight: dict[str, int] = {}
         self.timeline = Timeline()
         self.finished = threading.Event()
         self.events: dict[str, Event] = {}
-        self.incarnation = 1
+        # One DocumentIncarnation per api-version: it moves only when the document that version
+        # renders changes (a Terminate is no change at all for a 2017-08-01 client).
+        self._incarnations: dict[str, int] = dict.fromkeys(SE_VERSIONS, 1)
+        self._rendered: dict[str, list[dict[str, Any]]] = {v: [] for v in SE_VERSIONS}
         self._scenario: Scenario | None = None
         self._scenario_gen = 0
         self._steps_left = 0
@@ -121,19 +129,38 @@ class Platform:
                 c["token"] += 1
                 self.token_requests += 1
 
-    def allow(self, vm: str) -> bool:
-        """Sliding one-second window per VM; throttled requests do not use up the budget."""
-        if not self.rate_limit:
+    def allow(self, vm: str, endpoint: str = "scheduledevents") -> bool:
+        """Sliding one-second window per VM; throttled requests do not use up the budget.
+
+        IMDS documents 5 requests/s per VM, and 20/s for the managed-identity token endpoint, which
+        has its own budget here.
+        """
+        token = endpoint == "token"
+        limit = self.token_rate_limit if token else self.rate_limit
+        if not limit:
             return True
         now = time.monotonic()
         with self.lock:
-            hits = self._hits.setdefault(vm, deque())
+            hits = self._hits.setdefault(f"{vm}\0token" if token else vm, deque())
             while hits and hits[0] <= now - 1.0:
                 hits.popleft()
-            if len(hits) >= self.rate_limit:
+            if len(hits) >= limit:
                 return False
             hits.append(now)
             return True
+
+    def token_slot_acquire(self, vm: str) -> bool:
+        """Take one of the token endpoint's concurrent slots (IMDS: 5 per VM); False when none is free."""
+        with self.lock:
+            busy = self._tokens_in_flight.get(vm, 0)
+            if self.token_concurrency and busy >= self.token_concurrency:
+                return False
+            self._tokens_in_flight[vm] = busy + 1
+            return True
+
+    def token_slot_release(self, vm: str) -> None:
+        with self.lock:
+            self._tokens_in_flight[vm] = max(0, self._tokens_in_flight.get(vm, 0) - 1)
 
     def first_call(self, vm: str) -> bool:
         """True exactly once per VM: the call that "enables" Scheduled Events."""
@@ -145,15 +172,27 @@ class Platform:
 
     # -- documents ----------------------------------------------------------------------------
 
+    @property
+    def incarnation(self) -> int:
+        """DocumentIncarnation at the newest api-version (which sees every change)."""
+        return self._incarnations[SE_VERSIONS[-1]]
+
+    def _events(self, version: str) -> list[dict[str, Any]]:
+        return [ev.render(version) for ev in self.events.values() if ev.visible_in(version)]
+
     def document(self, version: str) -> dict[str, Any]:
         with self.lock:
-            return {
-                "DocumentIncarnation": self.incarnation,
-                "Events": [ev.render(version) for ev in self.events.values() if ev.visible_in(version)],
-            }
+            return {"DocumentIncarnation": self._incarnations[version], "Events": self._events(version)}
 
     def _bump(self, change: str, event_id: str) -> None:
-        self.incarnation += 1
+        """Record a change; each api-version's incarnation goes up only if its document changed."""
+        for version in SE_VERSIONS:
+            events = self._events(version)
+            if events != self._rendered[version]:
+                self._rendered[version] = events
+                self._incarnations[version] += 1
+            elif version == SE_VERSIONS[-1]:
+                return  # the newest version sees every field: nothing visible changed at all
         self.history.append({"incarnation": self.incarnation, "change": change, "event_id": event_id,
                              "time": self.clock().isoformat()})
         log.info("emulator: %s %s (DocumentIncarnation %d)", change, event_id, self.incarnation)
@@ -172,7 +211,7 @@ class Platform:
         source = spec.get("source", "User" if etype == "Terminate" else "Platform")
         status = spec.get("status", SCHEDULED)
         notice = self.terminate_notice if etype == "Terminate" else MIN_NOTICE[etype]
-        not_before = parse_not_before(spec["not_before"], now) if "not_before" in spec else now + timedelta(seconds=notice)
+        not_before = self._not_before(spec, now) or now + timedelta(seconds=notice * self.time_scale)
         description = spec.get("description", DEFAULT_DESCRIPTIONS.get((etype, source), ""))
         duration = spec.get("duration", -1)
         with self.lock:
@@ -187,7 +226,6 @@ class Platform:
                 not_before=not_before, description=description, source=source, duration=duration,
                 resource_type=spec.get("resource_type", "VirtualMachine"),
                 require_all_approvals=bool(spec.get("require_all_approvals", False)),
-                start_after=spec["start_after"] * self.time_scale if "start_after" in spec else None,
                 complete_after=(spec["complete_after"] if "complete_after" in spec
                                 else float(duration) if duration > 0 else 2.0) * self.time_scale,
             )
@@ -201,14 +239,23 @@ class Platform:
                 self._arm_auto_start(ev)
         return event_id
 
+    def _not_before(self, spec: dict[str, Any], now: datetime) -> datetime | None:
+        """NotBefore from ``not_before`` or ``start_after`` (its shorthand), relative times scaled."""
+        if "not_before" in spec and "start_after" in spec:
+            # One start time only: an unapproved event starts exactly at its NotBefore, never before.
+            raise SpecError("give not_before or start_after (NotBefore = now + start_after), not both")
+        if "start_after" in spec:
+            return now + timedelta(seconds=spec["start_after"] * self.time_scale)
+        if "not_before" in spec:
+            return parse_not_before(spec["not_before"], now, self.time_scale)
+        return None
+
     def _arm_auto_start(self, ev: Event) -> None:
+        # IMDS: "guaranteed to not start before this time". Unapproved events start at NotBefore.
         ev.timer_gen += 1
         gen = ev.timer_gen
-        if ev.start_after is not None:
-            delay = ev.start_after
-        else:
-            nb = ev.not_before or self.clock()
-            delay = max(0.0, (nb - self.clock()).total_seconds()) * self.time_scale
+        nb = ev.not_before or self.clock()
+        delay = max(0.0, (nb - self.clock()).total_seconds())
         self.timeline.call_later(delay, lambda: self._timer_start(ev.id, gen))
 
     def _arm_completion(self, ev: Event) -> None:
@@ -269,7 +316,6 @@ class Platform:
         fields = normalize_spec(fields, allowed=UPDATE_KEYS)
         with self.lock:
             ev = self._get(event_id)
-            before = ev.render(SE_VERSIONS[-1])
             if "type" in fields:
                 ev.type = fields["type"]
             if "source" in fields:
@@ -282,18 +328,16 @@ class Platform:
                 ev.resources = list(fields["resources"])
                 for name in ev.resources:
                     self.ensure_vm(name)
-            if "not_before" in fields:
-                ev.not_before = parse_not_before(fields["not_before"], self.clock())
-            if "start_after" in fields:
-                ev.start_after = fields["start_after"] * self.time_scale
+            not_before = self._not_before(fields, self.clock())
+            if not_before is not None:
+                ev.not_before = not_before
             if "complete_after" in fields:
                 ev.complete_after = fields["complete_after"] * self.time_scale
-            if ev.status == SCHEDULED and ({"start_after", "not_before"} & set(fields)):
+            if ev.status == SCHEDULED and not_before is not None:
                 self._arm_auto_start(ev)
             elif ev.status == STARTED and "complete_after" in fields:
                 self._arm_completion(ev)
-            if ev.render(SE_VERSIONS[-1]) != before:
-                self._bump("updated", ev.id)
+            self._bump("updated", ev.id)
 
     def approve(self, vm: str, version: str, event_ids: list[str], incarnation: object) -> str | None:
         """Handle a POST StartRequests; returns an error message for a 400, else None."""
@@ -342,6 +386,8 @@ class Platform:
                     self.schedule(args)
                 elif step.action == "start":
                     self.start_event(args["id"], by="scenario")
+                elif step.action == "approve":
+                    self.approve_as(args["id"], args.get("vm"))
                 elif step.action == "cancel":
                     self.cancel(args["id"])
                 elif step.action == "complete":
@@ -355,6 +401,12 @@ class Platform:
                 log.info("emulator: scenario step %s at %gs skipped: %s", step.action, step.at, exc)
             self._steps_left = 0 if step.action == "end" else self._steps_left - 1
             self._check_finished()
+
+    def approve_as(self, event_id: str, vm: str | None = None) -> None:
+        """A VM of the availability set POSTs StartRequests (by default the last in Resources)."""
+        with self.lock:
+            ev = self._get(event_id)
+            self.approve(vm or ev.resources[-1], SE_VERSIONS[-1], [ev.id], None)
 
     def on_fault_step(self, spec: dict[str, Any]) -> None:
         """Replaced by the server to route scenario faults into its queue."""
@@ -397,6 +449,7 @@ class Platform:
                              for vm, c in self.requests.items()},
                 "start_requests": [dict(r) for r in self.start_requests],
                 "token_requests": self.token_requests,
+                "tokens_in_flight": {vm: n for vm, n in self._tokens_in_flight.items() if n},
                 "history": [dict(h) for h in self.history],
                 "scenario": self._scenario.name if self._scenario else None,
                 "finished": self.finished.is_set(),

@@ -81,14 +81,14 @@ def iso_z(dt: datetime) -> str:
     return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def parse_not_before(value: object, now: datetime) -> datetime:
-    """A datetime from an aware datetime, "+15m" (relative to now), RFC 1123 or ISO 8601 text."""
+def parse_not_before(value: object, now: datetime, scale: float = 1.0) -> datetime:
+    """A datetime from an aware datetime, "+15m" (relative to now, times ``scale``), RFC 1123 or ISO 8601 text."""
     if isinstance(value, datetime):
         return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("+"):
-            return now + timedelta(seconds=parse_duration(text[1:]))
+            return now + timedelta(seconds=parse_duration(text[1:]) * scale)
         try:
             return parsedate_to_datetime(text).astimezone(timezone.utc)
         except (TypeError, ValueError, IndexError):
@@ -159,8 +159,7 @@ class Event:
     require_all_approvals: bool = False
     approvals: list[str] = field(default_factory=list)
     started_by: str = ""
-    # Real seconds (already scaled): auto-start delay (None = until NotBefore) and Started -> removal.
-    start_after: float | None = None
+    # Real seconds (already scaled): Started -> removal. Unapproved, an event starts at its NotBefore.
     complete_after: float = 2.0
     # Bumped whenever pending timers for this event must be ignored.
     timer_gen: int = 0

@@ -1,4 +1,4 @@
-"""Scenario files (TOML): a timeline of schedule/start/update/cancel/complete/fault/end steps."""
+"""Scenario files (TOML): a timeline of schedule/approve/start/update/cancel/complete/fault/end steps."""
 from __future__ import annotations
 
 import tomllib
@@ -15,7 +15,7 @@ from forwarder.emulator.model import (
 from forwarder.errors import ConfigError
 from forwarder.units import parse_duration
 
-ACTIONS = ("schedule", "start", "update", "cancel", "complete", "fault", "end")
+ACTIONS = ("schedule", "approve", "start", "update", "cancel", "complete", "fault", "end")
 TOP_KEYS = frozenset({"name", "description", "vms", "first_call_delay", "terminate_notice", "steps"})
 
 
@@ -79,6 +79,11 @@ def _step(index: int, raw: object, problems: list[str]) -> Step | None:
             if set(raw) != {"id"} or not isinstance(raw["id"], str):
                 raise SpecError(f"{action} takes exactly one key, id (the EventId)")
             args = raw
+        elif action == "approve":
+            if not isinstance(raw.get("id"), str) or not set(raw) <= {"id", "vm"} or not isinstance(
+                    raw.get("vm", ""), str):
+                raise SpecError("approve takes id (the EventId) and optionally vm (who POSTs StartRequests)")
+            args = raw
         elif action == "fault":
             Fault.from_spec(raw)  # validate now, build a fresh one each run
             args = {k: v for k, v in raw.items() if k in FAULT_KEYS}
@@ -86,6 +91,8 @@ def _step(index: int, raw: object, problems: list[str]) -> Step | None:
             if raw:
                 raise SpecError("end takes no keys")
             args = {}
+        if "not_before" in args and "start_after" in args:
+            raise SpecError("give not_before or start_after (NotBefore = now + start_after), not both")
         if "not_before" in args:
             parse_not_before(args["not_before"], datetime.now(timezone.utc))
     except SpecError as exc:
@@ -136,7 +143,7 @@ def parse_scenario(data: dict[str, Any], *, default_name: str = "scenario") -> S
             if s.args["id"] in scheduled:
                 problems.append(f"event {s.args['id']} is scheduled twice")
             scheduled.add(s.args["id"])
-        elif s.action in ("start", "update", "cancel", "complete") and s.args["id"] not in scheduled:
+        elif s.action in ("approve", "start", "update", "cancel", "complete") and s.args["id"] not in scheduled:
             problems.append(f"{s.action} at {s.at:g}s names event {s.args['id']!r} that no earlier step schedules")
     if problems:
         raise ScenarioError([f"scenario {name}: {p}" for p in problems])

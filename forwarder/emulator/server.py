@@ -45,6 +45,11 @@ def _json(obj: Any) -> bytes:
     return orjson.dumps(obj)
 
 
+def _wants_close(values: list[str]) -> bool:
+    """Whether the Connection header fields (a comma-separated option list) carry "close"."""
+    return any(token.strip().lower() == "close" for value in values for token in value.split(","))
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
@@ -136,6 +141,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         for name, value in headers:
             self.send_header(name, value)
+        if self.close_connection:
+            # RFC 9112 9.6: say "close" in the last answer on a connection, then close it. A client's
+            # keep-alive pool (Node's agent) otherwise reuses the socket and its next request fails.
+            self.send_header("Connection", "close")
         # What end_headers() does, with the body in the same write: one TCP segment per answer,
         # as IMDS sends it, instead of waking the client twice (headers, then body).
         buffered: list[bytes] = self._headers_buffer  # type: ignore[attr-defined]  # (set by send_response)
@@ -172,6 +181,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch_checked(self, method: str) -> None:
         emu = self.server.emulator
         self._count_ctx = None
+        if _wants_close(self.headers.get_all("Connection") or []):
+            self.close_connection = True
         body = self._read_body()
         url = urlsplit(self.path)
         path = url.path
@@ -195,7 +206,15 @@ class _Handler(BaseHTTPRequestHandler):
             return
         endpoint, methods = route
         self._count_ctx = (vm, method, endpoint)
-        self._serve(emu, vm, method, endpoint, methods, path, url.query, body)
+        if endpoint != "token":
+            self._serve(emu, vm, method, endpoint, methods, path, url.query, body)
+        elif not emu.platform.token_slot_acquire(vm):
+            self._error(429, "Too many concurrent requests")  # IMDS: 5 concurrent token requests per VM
+        else:
+            try:
+                self._serve(emu, vm, method, endpoint, methods, path, url.query, body)
+            finally:
+                emu.platform.token_slot_release(vm)
 
     def _serve(self, emu: Emulator, vm: str, method: str, endpoint: str, methods: tuple[str, ...],
                path: str, query: str, body: bytes | None) -> int | str:
@@ -207,7 +226,7 @@ class _Handler(BaseHTTPRequestHandler):
             outcome = self._apply_fault(emu, fault)
             if outcome is not None:
                 return outcome
-        if not emu.platform.allow(vm):
+        if not emu.platform.allow(vm, endpoint):
             self._error(429, "Too many requests")
             return 429
         if self.headers.get("X-Forwarded-For") is not None:
@@ -359,9 +378,14 @@ class _Handler(BaseHTTPRequestHandler):
             elif parts == ["events"] and method == "POST":
                 self._send(201, _json({"EventId": emu.schedule(**spec)}))
             elif len(parts) == 3 and parts[0] == "events" and method == "POST" and parts[2] in (
-                    "start", "cancel", "complete", "update"):
+                    "start", "cancel", "complete", "update", "approve"):
                 event_id, action = parts[1], parts[2]
-                if action == "start":
+                if action == "approve":
+                    vm = spec.get("vm")
+                    if vm is not None and not isinstance(vm, str):
+                        raise SpecError('expected {"vm": "<name>"} (optional)')
+                    emu.approve(event_id, vm)
+                elif action == "start":
                     emu.start_event(event_id)
                 elif action == "cancel":
                     emu.cancel(event_id)
@@ -404,6 +428,8 @@ class Emulator:
         scenario: str | Path | Scenario | None = None,
         vms: Iterable[str | VmProfile | dict[str, Any]] | None = None,
         rate_limit: float | None = 5,
+        token_rate_limit: float | None = 20,
+        token_concurrency: int | None = 5,
         time_scale: float = 1.0,
         clock: Clock | None = None,
         first_call_delay: float | None = None,
@@ -425,7 +451,8 @@ class Emulator:
                   else sc.terminate_notice if sc and sc.terminate_notice is not None else MIN_NOTICE["Terminate"])
         self.etag = etag
         self.platform = Platform(profiles, time_scale=time_scale, clock=clock, terminate_notice=notice,
-                                 rate_limit=rate_limit)
+                                 rate_limit=rate_limit, token_rate_limit=token_rate_limit,
+                                 token_concurrency=token_concurrency)
         self.faults = FaultQueue()
         self.platform.on_fault_step = lambda spec: self.inject_fault(**spec)  # type: ignore[method-assign]
         self.stop_event = threading.Event()
@@ -497,7 +524,12 @@ class Emulator:
         return self.platform.schedule(spec)
 
     def start_event(self, event_id: str) -> None:
+        """Force Started now, ignoring NotBefore (the one way to break IMDS's promise on purpose)."""
         self.platform.start_event(event_id)
+
+    def approve(self, event_id: str, vm: str | None = None) -> None:
+        """As if ``vm`` (default: the last VM in Resources) POSTed StartRequests: starts it at once."""
+        self.platform.approve_as(event_id, vm)
 
     def cancel(self, event_id: str) -> None:
         self.platform.cancel(event_id)

@@ -134,7 +134,7 @@ def test_chaos_sigkill_and_flapping_webhook(tmp_path):
     seen_events = {r["subject"] for r in transitions}
     for event_id in seen_events:
         kinds = [r["data"]["Change"] for r in sorted(transitions, key=lambda r: int(r["sequence"])) if r["subject"] == event_id]
-        assert kinds[-1] in ("completed", "canceled"), (event_id, kinds)
+        assert kinds[-1] in ("completed", "canceled", "ended"), (event_id, kinds)  # ended: outcome unknown
     assert seen_events <= set(ids)
     assert len(transitions) >= 200, f"only {len(transitions)} transitions observed"
     assert kills >= 20

@@ -125,12 +125,13 @@ def test_other_methods_are_405(emu: Emulator, http: requests.Session) -> None:
 
 def test_documents_match_the_windows_seed_example_byte_for_byte_in_content(http: requests.Session) -> None:
     """The seed's four documents, reproduced exactly: same keys, same order, same values."""
-    with Emulator(vms=["WestNO_0", "WestNO_1"], rate_limit=None) as emu:
+    seed_now = datetime(2022, 4, 11, 22, 11, 58, tzinfo=timezone.utc)  # 15 minutes before the seed's NotBefore
+    with Emulator(vms=["WestNO_0", "WestNO_1"], rate_limit=None, clock=lambda: seed_now) as emu:
         expected = [json.loads((FIXTURES / f"windows-2020-07-01-example-{i}.json").read_text()) for i in (1, 2, 3, 4)]
         docs = [get_doc(http, emu.url)]
         emu.schedule(id=FREEZE_ID, type="Freeze", resources=["WestNO_0", "WestNO_1"],
                      not_before="Mon, 11 Apr 2022 22:26:58 GMT", description=FREEZE_DESC, source="Platform",
-                     duration=5, start_after=600)
+                     duration=5)
         docs.append(get_doc(http, emu.url))
         assert post(http, emu.url, {"StartRequests": [{"EventId": FREEZE_ID}]}).status_code == 200
         docs.append(get_doc(http, emu.url))
@@ -447,3 +448,146 @@ def test_stop_closes_keep_alive_connections(http: requests.Session) -> None:
     emu.stop()
     with pytest.raises(requests.ConnectionError):
         http.get(emu.url + SE, params={"api-version": "2020-07-01"}, headers=H, timeout=2)
+
+
+# -- promises IMDS makes (issue 13) ---------------------------------------------------------------
+
+
+def test_an_unapproved_event_starts_at_its_not_before_never_earlier(http: requests.Session) -> None:
+    with Emulator(rate_limit=None) as emu:
+        event_id = emu.schedule(type="Reboot", not_before="+1s", complete_after=600)
+        (ev,) = get_doc(http, emu.url)["Events"]
+        not_before = parsedate_to_datetime(ev["NotBefore"])
+        assert wait_until(lambda: get_doc(http, emu.url)["Events"][0]["EventStatus"] == "Started", timeout=10)
+        started = datetime.fromisoformat(emu.stats()["history"][-1]["time"])
+        assert emu.stats()["history"][-1]["change"] == "started (not-before)" and started >= not_before
+        # start_after is the shorthand for a NotBefore that close: the document shows when it will start.
+        other = emu.schedule(type="Reboot", start_after=600)
+        shown = next(e for e in get_doc(http, emu.url)["Events"] if e["EventId"] == other)["NotBefore"]
+        assert 590 <= (parsedate_to_datetime(shown) - datetime.now(timezone.utc)).total_seconds() <= 601
+        with pytest.raises(ValueError, match="not both"):
+            emu.schedule(type="Reboot", not_before="+15m", start_after=4)
+        with pytest.raises(ValueError, match="not both"):
+            emu.update(other, not_before="+30m", start_after=4)
+        assert event_id != other
+
+
+def test_time_scale_shortens_not_before_itself(http: requests.Session) -> None:
+    with Emulator(rate_limit=None, time_scale=0.01) as emu:  # 15 min notice -> 9 s, shown as such
+        emu.schedule(type="Reboot")
+        (ev,) = get_doc(http, emu.url)["Events"]
+        notice = (parsedate_to_datetime(ev["NotBefore"]) - datetime.now(timezone.utc)).total_seconds()
+        assert 7 <= notice <= 9
+
+
+def test_incarnation_moves_only_for_changes_visible_at_the_requested_version(emu: Emulator,
+                                                                              http: requests.Session) -> None:
+    def incarnations() -> dict[str, int]:
+        return {v: get_doc(http, emu.url, v)["DocumentIncarnation"] for v in ("2017-08-01", "2019-01-01", "2020-07-01")}
+
+    before = incarnations()
+    terminate = emu.schedule(type="Terminate", start_after=600)  # invisible before 2019-01-01
+    after = incarnations()
+    assert after == {"2017-08-01": before["2017-08-01"], "2019-01-01": before["2019-01-01"] + 1,
+                     "2020-07-01": before["2020-07-01"] + 1}
+    emu.update(terminate, duration=30)  # DurationInSeconds: visible from 2020-07-01 only
+    assert incarnations() == {**after, "2020-07-01": after["2020-07-01"] + 1}
+    before = incarnations()
+    emu.schedule(type="Reboot", start_after=600)  # visible everywhere
+    assert incarnations() == {v: i + 1 for v, i in before.items()}
+    before = incarnations()
+    emu.cancel(terminate)
+    assert incarnations()["2017-08-01"] == before["2017-08-01"]
+    assert incarnations()["2019-01-01"] == before["2019-01-01"] + 1
+
+
+def _raw_exchange(sock: Any, request: bytes) -> bytes:
+    """Send one request on a raw socket and read one answer (headers + Content-Length body)."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed before an answer: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
+
+
+def _request(method: str, path: str, extra: str = "", body: bytes = b"", version: str = "HTTP/1.1") -> bytes:
+    return (f"{method} {path} {version}\r\nHost: 169.254.169.254\r\nMetadata: true\r\n{extra}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+def test_connection_close_is_answered_and_honoured(emu: Emulator) -> None:
+    """RFC 9112 9.6: the answer to a request with "Connection: close" says close, then the socket closes."""
+    import socket
+
+    path = SE + "?api-version=2020-07-01"
+    for extra, version in (("Connection: close\r\n", "HTTP/1.1"), ("Connection: keep-alive, Close\r\n", "HTTP/1.1"),
+                           ("", "HTTP/1.0")):
+        with socket.create_connection(("127.0.0.1", emu.port), timeout=10) as sock:
+            head = _raw_exchange(sock, _request("GET", path, extra, version=version))
+            assert head.startswith(b"HTTP/1.1 200"), head
+            assert re.search(rb"(?im)^connection: close\r?$", head), (extra, head)
+            assert sock.recv(1) == b""  # closed by the server, not left for a keep-alive pool to reuse
+    with socket.create_connection(("127.0.0.1", emu.port), timeout=10) as sock:
+        head = _raw_exchange(sock, _request("GET", path))
+        assert b"onnection: close" not in head  # a plain HTTP/1.1 request keeps its connection
+
+
+def test_keep_alive_client_approves_on_a_reused_socket(emu: Emulator) -> None:
+    """What Microsoft's Node sample does with Node's keep-alive agent: GET, then POST on the same socket."""
+    import http.client
+
+    event_id = emu.schedule(type="Reboot", start_after=600, complete_after=600)
+    conn = http.client.HTTPConnection("127.0.0.1", emu.port, timeout=10)
+    try:
+        conn.request("GET", SE + "?api-version=2020-07-01", headers={"Metadata": "true", "If-None-Match": "0"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["Events"][0]["EventId"] == event_id
+        sock = conn.sock
+        assert sock is not None and not resp.will_close
+        body = json.dumps({"StartRequests": [{"EventId": event_id}]})
+        conn.request("POST", SE + "?api-version=2020-07-01", body=body,
+                     headers={"Metadata": "true", "Content-Type": "application/json", "If-None-Match": "null"})
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 200 and conn.sock is sock  # the same connection served the approval
+    finally:
+        conn.close()
+    assert emu.stats()["events"][0]["EventStatus"] == "Started"
+
+
+def test_token_endpoint_has_its_own_limits_20_per_second_and_5_concurrent(http: requests.Session) -> None:
+    import threading
+
+    url_params = {"api-version": "2018-02-01", "resource": "https://management.azure.com/"}
+    with Emulator(rate_limit=5) as emu:
+        url = emu.url + "/metadata/identity/oauth2/token"
+        t0 = time.monotonic()
+        codes = [http.get(url, params=url_params, headers=H).status_code for _ in range(24)]
+        elapsed = time.monotonic() - t0
+        assert codes[:20] == [200] * 20  # not the 5/s of Scheduled Events
+        if elapsed < 1.0:
+            assert 429 in codes[20:]
+        # The Scheduled Events budget is separate: token requests did not use it up.
+        assert http.get(emu.url + SE, params={"api-version": "2020-07-01"}, headers=H).status_code == 200
+    with Emulator(rate_limit=None) as emu:
+        url = emu.url + "/metadata/identity/oauth2/token"
+        emu.inject_fault("slow", path="token", delay=30, count=5)  # five requests held in flight
+        results: list[int] = []
+        held = [threading.Thread(target=lambda: results.append(
+            requests.get(url, params=url_params, headers=H, timeout=60).status_code)) for _ in range(5)]
+        for t in held:
+            t.start()
+        try:
+            assert wait_until(lambda: emu.stats()["tokens_in_flight"].get("myVM") == 5, timeout=20)
+            r = http.get(url, params=url_params, headers=H, timeout=10)
+            assert r.status_code == 429 and "concurrent" in r.json()["error"]
+        finally:
+            emu.stop()  # releases the held requests
+            for t in held:
+                t.join(30)

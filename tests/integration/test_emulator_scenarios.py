@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 from collections import Counter
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from tests.conftest import ROOT
 SE = "/metadata/scheduledevents"
 H = {"Metadata": "true"}
 P = {"api-version": "2020-07-01"}
+HOST_REBOOT = "602D9444-D2CD-49C7-8624-8643E7171297"
 
 BUILTINS = {
     "live-migration-freeze", "user-reboot", "user-redeploy", "host-maintenance-reboot", "spot-preempt",
@@ -52,6 +55,8 @@ class Watcher(threading.Thread):
         self.errors: list[str] = []
         self.t0 = time.monotonic()
         self.finished_after: float | None = None
+        self.not_before: dict[str, datetime] = {}
+        self.early_starts: list[tuple[str, str]] = []  # (EventId, NotBefore) seen Started before NotBefore
 
     def run(self) -> None:
         http = session()
@@ -65,8 +70,14 @@ class Watcher(threading.Thread):
             doc = r.json() if r.status_code == 200 else {"Events": []}
             if r.status_code == 200 and (not self.docs or self.docs[-1] != doc):
                 self.docs.append(doc)
+            now = datetime.now(timezone.utc)
             for ev in doc["Events"]:
                 self.seen.add((ev["EventId"], ev["EventStatus"]))
+                if ev["NotBefore"]:
+                    self.not_before[ev["EventId"]] = parsedate_to_datetime(ev["NotBefore"])
+                elif (not self.approve and ev["EventId"] in self.not_before
+                      and now < self.not_before[ev["EventId"]]):
+                    self.early_starts.append((ev["EventId"], ev["NotBefore"]))
                 if self.approve and ev["EventStatus"] == "Scheduled":
                     body = json.dumps({"StartRequests": [{"EventId": ev["EventId"]}]})
                     code = http.post(self.base + SE, params=P, headers=H, data=body, timeout=5).status_code
@@ -116,7 +127,15 @@ def test_every_builtin_runs_to_the_end_without_approvals() -> None:
                 assert Counter(got) == Counter(scheduled=3, started=2, completed=2, canceled=1)
             else:
                 assert got == expected_changes.get(name, ["scheduled", "started", "completed"]), name
-            assert emu.stats()["events"] == [] and emu.stats()["start_requests"] == []
+            # Only the scenario that says so approves (another VM of the availability set, early).
+            approvers = [(r["vm"], r["accepted"]) for r in emu.stats()["start_requests"]]
+            assert emu.stats()["events"] == [] and approvers == (
+                [("myVM2", True)] if name == "host-maintenance-reboot" else []), name
+            # IMDS's promise: no event starts before its NotBefore unless approved.
+            starts = [h["change"] for h in emu.stats()["history"] if h["change"].startswith("started")]
+            assert all(c in ("started (not-before)", "started (approved by myVM2)") for c in starts), (name, starts)
+            early = {event_id for event_id, _ in w.early_starts}
+            assert early == ({HOST_REBOOT} if name == "host-maintenance-reboot" else set()), (name, early)
             # The watcher saw what an agent polling every 50 ms would see.
             statuses = {s for _, s in w.seen}
             if name == "hardware-failure":
@@ -170,7 +189,7 @@ def test_approval_from_a_second_vm_prefix_on_the_seed_scenario() -> None:
     with Emulator(scenario="live-migration-freeze", rate_limit=None) as emu:
         w = Watcher(emu, approve=True, vm="WestNO_1")
         w.start()
-        assert emu.wait_finished(6)  # unapproved it would take 7.5 s
+        assert emu.wait_finished(6)  # unapproved it would take 7.5 s (NotBefore 5 s after it appears)
         w.join(5)
         assert emu.stats()["start_requests"][0]["vm"] == "WestNO_1"
         assert emu.stats()["history"][1]["change"] == "started (approved by WestNO_1)"
@@ -245,17 +264,43 @@ id = "ghost"
 at = "3s"
 action = "fault"
 kind = "slow"
+[[steps]]
+at = "4s"
+action = "schedule"
+id = "both"
+not_before = "+15m"
+start_after = "4s"
+[[steps]]
+at = "5s"
+action = "approve"
+id = "both"
+by = "me"
 """)
     with pytest.raises(ScenarioError) as info:
         load_scenario(path)
     text = "\n".join(info.value.problems)
-    for needle in ("colour", "soon", "explode", "Nap", "flavour", "ghost", "slow fault needs a delay"):
+    for needle in ("colour", "soon", "explode", "Nap", "flavour", "ghost", "slow fault needs a delay",
+                   "not_before or start_after", "approve takes id"):
         assert needle in text, needle
     with pytest.raises(ScenarioError, match="built-in scenarios are"):
         load_scenario("no-such-scenario")
     (tmp_path / "broken.toml").write_text("steps = [")
     with pytest.raises(ScenarioError, match="invalid TOML"):
         load_scenario(tmp_path / "broken.toml")
+
+
+def test_scenario_approval_by_another_vm_starts_the_event_long_before_not_before() -> None:
+    """The real capture: approved early by a VM in Resources, the event runs and is gone before NotBefore."""
+    with Emulator(scenario="host-maintenance-reboot", rate_limit=None, time_scale=0.5) as emu:
+        w = Watcher(emu, approve=False)
+        w.start()
+        assert emu.wait_finished(10)
+        w.join(5)
+        history = emu.stats()["history"]
+        assert [h["change"] for h in history] == ["scheduled", "updated", "started (approved by myVM2)", "completed"]
+        started = datetime.fromisoformat(history[2]["time"])
+        assert started < w.not_before[HOST_REBOOT]  # 15 minutes (x0.5) early, approved
+        assert [h["incarnation"] for h in history] == [2, 3, 4, 5]
 
 
 # -- control API ----------------------------------------------------------------------------------
@@ -286,6 +331,13 @@ def test_control_api(emu: Emulator) -> None:
     assert [h["change"] for h in state["history"]] == ["scheduled", "scheduled", "updated", "started (api)", "canceled"]
     assert http.post(ctl + "/events/X1/complete").status_code == 200
     assert http.get(ctl + "/state").json()["events"] == []
+    # Approval as another VM of the set: starts the event at once, recorded as its StartRequests.
+    http.post(ctl + "/events", json={"id": "X2", "type": "Reboot", "resources": ["a", "b"]})
+    assert http.post(ctl + "/events/X2/approve", json={"vm": "a"}).status_code == 200
+    state = http.get(ctl + "/state").json()
+    assert state["events"][0]["StartedBy"] == "approved by a" and state["start_requests"][-1]["vm"] == "a"
+    assert http.post(ctl + "/events/X2/approve", json={"vm": 7}).status_code == 400
+    emu.complete("X2")
 
     r = http.post(ctl + "/faults", json={"kind": "status", "status": 410, "count": 1})
     assert r.status_code == 201 and r.json()["pending"][0]["status"] == 410
@@ -345,6 +397,9 @@ def test_cli_serves_and_ctl_drives_it() -> None:
         assert doc["Events"][0]["EventId"] == "CLI-1"
         state = json.loads(_cli("ctl", url, "state").stdout)
         assert state["events"][0]["Resources"] == ["cli-vm", "other-vm"]
+        assert _cli("ctl", url, "approve", "CLI-1").returncode == 0  # as other-vm, the last in Resources
+        state = json.loads(_cli("ctl", url, "state").stdout)
+        assert state["events"][0]["StartedBy"] == "approved by other-vm"
         assert _cli("ctl", url, "cancel", "CLI-1").returncode == 0
         assert _cli("ctl", url, "cancel", "CLI-1").returncode == 1  # gone now
         proc.send_signal(signal.SIGINT)

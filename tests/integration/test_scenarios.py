@@ -81,7 +81,9 @@ def test_scenario_record_sequence(runs, name):
         for r in mine:
             d = r["data"]
             assert d["EventId"] == event_id and d["Initial"] is False
-            assert r["eventkey"].startswith(f"{event_id}:{d['Change']}")
+            terminal = d["Change"] in ("completed", "canceled", "ended")  # one fleet-wide key, outcome in data
+            assert r["eventkey"].startswith(f"{event_id}:{'ended' if terminal else d['Change']}")
+            assert (d.get("Outcome") == ("unknown" if d["Change"] == "ended" else d["Change"])) == terminal
             assert d["ApiVersion"] == "2020-07-01" and d["Vm"]["VmId"]
             assert r["source"] == d["Vm"]["ResourceId"]
     seqs = [int(r["sequence"]) for r in records]

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DECIDED_TYPES = ("scheduledevent.scheduled", "scheduledevent.updated")
+# Terminal records: every VM sends one per event, all with eventkey "<EventId>:ended" and the VM's
+# conclusion in data.Outcome. The fleet's outcome is the strongest: completed > unknown > canceled.
+TERMINAL_TYPES = ("scheduledevent.completed", "scheduledevent.canceled", "scheduledevent.ended")
+FOLD_ORDER = {"completed": 2, "unknown": 1, "canceled": 0}
 ALL_EVENT_TYPES = frozenset({"Freeze", "Reboot", "Redeploy", "Preempt", "Terminate"})
 
 
@@ -140,3 +144,51 @@ class Deduper:
     def release(self, key: str) -> None:
         with self._lock:
             self._seen.pop(key, None)
+
+
+def record_outcome(record: Mapping[str, Any]) -> str | None:
+    """This VM's conclusion in a terminal record (older agents: from the type); None otherwise."""
+    rtype = record.get("type")
+    if rtype not in TERMINAL_TYPES:
+        return None
+    data = record.get("data")
+    outcome = data.get("Outcome") if isinstance(data, Mapping) else None
+    if outcome in FOLD_ORDER:
+        return str(outcome)
+    return {"scheduledevent.completed": "completed", "scheduledevent.canceled": "canceled"}.get(str(rtype), "unknown")
+
+
+@dataclass
+class OutcomeFolder:
+    """One outcome per EventId across the fleet: completed beats unknown beats canceled; thread-safe.
+
+    ``add`` returns the folded outcome and whether it changed, so a consumer acts (logs, alerts,
+    closes a ticket) once per EventId and once more only if a stronger outcome arrives later.
+    """
+
+    ttl: float = 6 * 3600.0
+    max_events: int = 100_000
+    clock: Callable[[], float] = time.monotonic
+    _outcomes: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, record: Mapping[str, Any]) -> tuple[str, str, bool] | None:
+        """(EventId, folded outcome, changed) for a terminal record; None for any other record."""
+        outcome = record_outcome(record)
+        data = record.get("data")
+        event_id = data.get("EventId") if isinstance(data, Mapping) else None
+        if outcome is None or not isinstance(event_id, str) or not event_id:
+            return None
+        key = event_id.lower()
+        now = self.clock()
+        with self._lock:
+            while self._outcomes:
+                oldest, (_, when) = next(iter(self._outcomes.items()))
+                if now - when < self.ttl and len(self._outcomes) < self.max_events:
+                    break
+                self._outcomes.popitem(last=False)
+            previous = self._outcomes.get(key)
+            if previous is not None and FOLD_ORDER[previous[0]] >= FOLD_ORDER[outcome]:
+                return event_id, previous[0], False
+            self._outcomes[key] = (outcome, previous[1] if previous else now)
+            return event_id, outcome, True

@@ -14,7 +14,7 @@ import requests
 from standardwebhooks.webhooks import Webhook
 
 import approver_client
-from decide import ALL_EVENT_TYPES, Deduper, Policy, dedupe_key, should_approve, target_vm
+from decide import ALL_EVENT_TYPES, Deduper, OutcomeFolder, Policy, dedupe_key, should_approve, target_vm
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class RemoteApprover:
                  session: requests.Session | None = None, approve: ApproveFn = approver_client.approve) -> None:
         self.settings = settings
         self.deduper = deduper or Deduper()
+        self.outcomes = OutcomeFolder()
         # One pooled session per function instance; requests' Session is safe for this use.
         self.session = session or requests.Session()
         self._approve = approve
@@ -159,6 +160,13 @@ class RemoteApprover:
         raw = record.get("data")
         data: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
         outcome: dict[str, Any] = {"id": record.get("id"), "type": record.get("type"), "EventId": data.get("EventId")}
+        folded = self.outcomes.add(record)
+        if folded is not None:
+            # A terminal record: fold the VMs' conclusions into the fleet's one outcome per EventId.
+            _, fleet_outcome, changed = folded
+            outcome.update(decision="outcome" if changed else "duplicate", reason=f"fleet_outcome_{fleet_outcome}",
+                           eventkey=record.get("eventkey"), outcome=fleet_outcome)
+            return outcome
         approve, reason = should_approve(record, self.settings.policy)
         outcome["reason"] = reason
         if not approve:
