@@ -281,7 +281,7 @@ class LogAnalyticsSink:
                                  self.name, self.endpoint, text)
                 return Retry(reason="tls_error")
             reason = "timeout" if "timed out" in text.lower() or "timeout" in type(error).__name__.lower() else "connection_error"
-            self._errors.log(logging.WARNING, "connection_error", "sink %r: cannot reach %s: %s", self.name, self.endpoint, text)
+            self._errors.log(logging.WARNING, reason, "sink %r: cannot reach %s (%s): %s", self.name, self.endpoint, reason, text)
             return Retry(reason=reason)
         self._errors.log(logging.ERROR, "internal_error", "sink %r: upload to %s failed: %s: %s",
                          self.name, where, type(error).__name__, error)
