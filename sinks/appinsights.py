@@ -26,7 +26,6 @@ import os
 import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -39,10 +38,10 @@ from forwarder import __version__
 from forwarder.logutil import RateLimitedLog
 from forwarder.records import rfc3339, utcnow
 from forwarder.retry import parse_retry_after
-from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
+from forwarder.sinkapi import Record, Result, Retry, SinkContext
 from forwarder.units import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
-from sinks.azure_common import check_credential_options, managed_identity_credential, read_secret_text
+from sinks.azure_common import ItemLedger, check_credential_options, managed_identity_credential, read_secret_text
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +181,7 @@ class AppInsightsSink:
         self._session = requests.Session()
         self._session.headers["User-Agent"] = f"scheduled-events-forwarder/{__version__}"
         self._lock = threading.Lock()
-        self._accepted: OrderedDict[str, None] = OrderedDict()
-        self._refused: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        self._ledger = ItemLedger(_MAX_REMEMBERED)
         self._errors = RateLimitedLog(log)
 
     @classmethod
@@ -230,7 +228,7 @@ class AppInsightsSink:
         """Track the batch's events; maps every outcome to Ok / Retry / Reject and never raises."""
         with self._lock:
             try:
-                pending = [r for r in batch if r.id not in self._accepted and r.id not in self._refused]
+                pending = self._ledger.pending(batch)
                 retry = self._deliver(pending) if pending else None
             except Exception as exc:  # never raise into the dispatcher: the records stay in the journal
                 log.error("sink %r: unexpected error sending to %s: %s: %s",
@@ -238,18 +236,8 @@ class AppInsightsSink:
                 return Retry(reason="internal_error")
             if retry is not None:
                 return retry  # accepted and refused items are remembered; only the rest goes again
-            refused = [r for r in batch if r.id in self._refused]
-            if len(refused) == 1 and len(batch) == 1:
-                reason, detail = self._refused.pop(batch[0].id)
-                return Reject(reason=reason, detail=detail)
-            if refused:
-                # The dispatcher re-sends a rejected batch record by record: the accepted ones are
-                # skipped then, and each refused one is dead-lettered alone with its own reason.
-                return Reject(reason="items_refused", detail=f"{len(refused)} of {len(batch)} refused")
-            for record in batch:
-                self._accepted.pop(record.id, None)
             self._errors.clear("request")
-            return Ok()
+            return self._ledger.outcome(batch)
 
     def _deliver(self, records: Sequence[Record]) -> Retry | None:
         """Post the records' envelopes; remembers accepted and refused items; a Retry if any must go again."""
@@ -259,7 +247,7 @@ class AppInsightsSink:
         status, body, headers = answer
         if status == 413:
             if len(records) == 1:
-                self._refuse(records[0], "item_too_large", f"HTTP 413: {self._message(body)}")
+                self._ledger.refuse(records[0], "item_too_large", f"HTTP 413: {self._message(body)}")
                 return None
             log.info("sink %r: 413 for %d events, sending them in two halves", self.name, len(records))
             for half in _chunks(records):
@@ -284,13 +272,13 @@ class AppInsightsSink:
         retry_later = 0
         for index, record in enumerate(records):
             if index not in failed:
-                self._remember(self._accepted, record.id, None)
+                self._ledger.accept(record)
                 continue
             status, message = failed[index]
             if status in RETRYABLE_ITEM_STATUS:
                 retry_later += 1
             else:
-                self._refuse(record, f"item_{status}", f"HTTP {status}: {message}"[:_DETAIL_CHARS])
+                self._ledger.refuse(record, f"item_{status}", f"HTTP {status}: {message}"[:_DETAIL_CHARS])
         refused = len(failed) - retry_later
         if refused:
             log.error("sink %r: Application Insights refused %d of %d event(s) for good (first: %s)",
@@ -323,7 +311,7 @@ class AppInsightsSink:
             return Retry(reason="auth_failed" if status == 401 else "forbidden")
         detail = f"HTTP {status}: {message}"
         if len(records) == 1:
-            self._refuse(records[0], f"http_{status}", detail)
+            self._ledger.refuse(records[0], f"http_{status}", detail)
             log.error("sink %r: %s refused event %s: %s", self.name, self._track_url, records[0].id, detail)
             return None
         # Refused as a whole without saying which: each record goes alone to find the bad ones.
@@ -387,15 +375,6 @@ class AppInsightsSink:
             token = self._credential.get_token(self._conn.scope)
             self._token = (token.token, float(token.expires_on))
         return self._token[0]
-
-    def _refuse(self, record: Record, reason: str, detail: str) -> None:
-        self._remember(self._refused, record.id, (reason, detail))
-
-    @staticmethod
-    def _remember(store: OrderedDict[str, Any], key: str, value: Any) -> None:
-        store[key] = value
-        while len(store) > _MAX_REMEMBERED:
-            store.popitem(last=False)
 
     @staticmethod
     def _message(body: Any) -> str:
