@@ -25,7 +25,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -41,7 +40,10 @@ from forwarder.retry import parse_retry_after
 from forwarder.sinkapi import Record, Result, Retry, SinkContext
 from forwarder.units import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
-from sinks.azure_common import ItemLedger, check_credential_options, managed_identity_credential, read_secret_text
+from sinks.azure_common import (
+    DETAIL_CHARS, Answer, ItemLedger, bearer_token, check_credential_options, managed_identity_credential,
+    post_once, read_secret_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +66,8 @@ MAX_PROPERTY_CHARS = 8192  # the service cuts longer property values; cutting he
 MAX_REDIRECTS = 3
 # Item ids accepted or refused while their batch is still being retried; bounded for safety.
 _MAX_REMEMBERED = 4 * MAX_BATCH
-_MAX_ANSWER_BYTES = 256 * 1024
-_DETAIL_CHARS = 300
 # CloudEvents attributes that say nothing a query needs (data is flattened instead).
 _SKIPPED_ATTRIBUTES = frozenset({"specversion", "datacontenttype", "data", "type"})
-_TOKEN_MARGIN = 300.0  # refresh a token this long before it expires
 
 
 def _property(value: Any) -> str:
@@ -244,10 +243,10 @@ class AppInsightsSink:
         answer = self._post([self.envelope(r) for r in records])
         if isinstance(answer, Retry):
             return answer
-        status, body, headers = answer
+        status, body = answer.status, answer.body
         if status == 413:
             if len(records) == 1:
-                self._ledger.refuse(records[0], "item_too_large", f"HTTP 413: {self._message(body)}")
+                self._ledger.refuse(records[0], "item_too_large", f"HTTP 413: {answer.message()}")
                 return None
             log.info("sink %r: 413 for %d events, sending them in two halves", self.name, len(records))
             for half in _chunks(records):
@@ -257,8 +256,8 @@ class AppInsightsSink:
             return None
         errors = body.get("errors") if isinstance(body, dict) else None
         if status in (200, 206) or (status == 400 and isinstance(errors, list) and errors):
-            return self._items(records, errors or [], headers)
-        return self._request_failed(records, status, body, headers)
+            return self._items(records, errors or [], answer.headers)
+        return self._request_failed(records, answer)
 
     def _items(self, records: Sequence[Record], errors: list[Any], headers: Mapping[str, str]) -> Retry | None:
         """Per-item outcome of a 200/206/400 answer: index-less or unknown errors count as retryable."""
@@ -278,12 +277,12 @@ class AppInsightsSink:
             if status in RETRYABLE_ITEM_STATUS:
                 retry_later += 1
             else:
-                self._ledger.refuse(record, f"item_{status}", f"HTTP {status}: {message}"[:_DETAIL_CHARS])
+                self._ledger.refuse(record, f"item_{status}", f"HTTP {status}: {message}"[:DETAIL_CHARS])
         refused = len(failed) - retry_later
         if refused:
             log.error("sink %r: Application Insights refused %d of %d event(s) for good (first: %s)",
                       self.name, refused, len(records),
-                      next(m for s, m in failed.values() if s not in RETRYABLE_ITEM_STATUS)[:_DETAIL_CHARS])
+                      next(m for s, m in failed.values() if s not in RETRYABLE_ITEM_STATUS)[:DETAIL_CHARS])
         if retry_later:
             delay = parse_retry_after(headers.get("Retry-After"))
             self._errors.log(logging.WARNING, "items", "sink %r: %d of %d event(s) not accepted yet; will retry them alone",
@@ -291,9 +290,9 @@ class AppInsightsSink:
             return Retry(reason="partial_success", delay=delay)
         return None
 
-    def _request_failed(self, records: Sequence[Record], status: int, body: Any, headers: Mapping[str, str]) -> Retry | None:
-        message = self._message(body)
-        delay = parse_retry_after(headers.get("Retry-After"))
+    def _request_failed(self, records: Sequence[Record], answer: Answer) -> Retry | None:
+        status, message = answer.status, answer.message()
+        delay = parse_retry_after(answer.headers.get("Retry-After"))
         if status in RETRYABLE_ITEM_STATUS:
             reason = "throttled" if status == 429 else f"http_{status}"
             self._errors.log(logging.WARNING, "request", "sink %r: %s answered %d%s: %s", self.name, self._track_url,
@@ -323,70 +322,30 @@ class AppInsightsSink:
                 return retry
         return None
 
-    def _post(self, envelopes: list[dict[str, Any]]) -> tuple[int, Any, Mapping[str, str]] | Retry:
+    def _post(self, envelopes: list[dict[str, Any]]) -> Answer | Retry:
         """One POST (following the service's 307/308 to a regional endpoint); the answer or a Retry."""
         body = gzip.compress(orjson.dumps(envelopes), compresslevel=6)
         headers = {"Content-Type": "application/json", "Content-Encoding": "gzip", "Accept": "application/json"}
-        try:
-            if self._credential is not None:
-                headers["Authorization"] = f"Bearer {self._bearer()}"
-        except Exception as exc:  # getting a token failed: no identity, IMDS unreachable...
-            self._errors.log(logging.ERROR, "credential", "sink %r: cannot get a token for Application Insights: %s; will retry",
-                             self.name, " ".join(str(exc).split())[:_DETAIL_CHARS])
-            return Retry(reason="credential_unavailable")
+        if self._credential is not None:
+            try:
+                self._token = bearer_token(self._credential, self._conn.scope, self._token)
+            except Exception as exc:  # getting a token failed: no identity, IMDS unreachable...
+                self._errors.log(logging.ERROR, "credential", "sink %r: cannot get a token for Application Insights: %s; "
+                                 "will retry", self.name, " ".join(str(exc).split())[:DETAIL_CHARS])
+                return Retry(reason="credential_unavailable")
+            headers["Authorization"] = f"Bearer {self._token[0]}"
         url = self._track_url
         for _ in range(MAX_REDIRECTS + 1):
-            try:
-                response = self._session.post(url, data=body, headers=headers, timeout=self.timeout,
-                                              allow_redirects=False, stream=True, verify=self._verify)
-            except requests.exceptions.SSLError as exc:
-                self._errors.log(logging.ERROR, "tls", "sink %r: TLS error talking to %s: %s (records kept, will retry; "
-                                 "check the certificate or set ca_file)", self.name, url, exc)
-                return Retry(reason="tls_error")
-            except requests.exceptions.Timeout:
-                self._errors.log(logging.WARNING, "timeout", "sink %r: %s did not answer within %gs",
-                                 self.name, url, self.timeout)
-                return Retry(reason="timeout")
-            except requests.exceptions.RequestException as exc:
-                self._errors.log(logging.WARNING, "connection", "sink %r: cannot reach %s: %s", self.name, url, exc)
-                return Retry(reason="connection_error")
-            try:
-                raw = response.raw.read(_MAX_ANSWER_BYTES, decode_content=True) or b""
-            except Exception:  # the status arrived; an unreadable answer must not hide it
-                raw = b""
-            finally:
-                response.close()
-            location = response.headers.get("Location")
-            if response.status_code in (307, 308) and location and urlsplit(urljoin(url, location)).scheme == "https":
+            answer = post_once(self._session, url, body, headers, timeout=self.timeout, verify=self._verify,
+                               errors=self._errors, name=self.name)
+            location = answer.headers.get("Location") if isinstance(answer, Answer) else None
+            if isinstance(answer, Answer) and answer.status in (307, 308) and location \
+                    and urlsplit(urljoin(url, location)).scheme == "https":
                 url = urljoin(url, location)
                 self._track_url = url  # the service moved this resource's ingestion: go there from now on
                 continue
-            try:
-                parsed: Any = orjson.loads(raw) if raw.strip() else None
-            except orjson.JSONDecodeError:
-                parsed = raw.decode("utf-8", "replace")
-            return response.status_code, parsed, response.headers
+            return answer
         return Retry(reason="too_many_redirects")
-
-    def _bearer(self) -> str:
-        now = time.time()
-        if self._token is None or self._token[1] - _TOKEN_MARGIN <= now:
-            assert self._credential is not None
-            token = self._credential.get_token(self._conn.scope)
-            self._token = (token.token, float(token.expires_on))
-        return self._token[0]
-
-    @staticmethod
-    def _message(body: Any) -> str:
-        if isinstance(body, dict):
-            errors = body.get("errors")
-            if isinstance(errors, list) and errors and isinstance(errors[0], dict):
-                text = str(errors[0].get("message") or "")
-            else:
-                text = str(body.get("error") or body.get("message") or body)
-        else:
-            text = str(body or "")
-        return " ".join(text.split())[:_DETAIL_CHARS]
 
     def close(self) -> None:
         """Close the keep-alive connections and the credential."""

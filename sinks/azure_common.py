@@ -1,15 +1,24 @@
 """Shared by the Azure sinks: credentials, secrets and per-item outcomes; imported only when such a sink is configured."""
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forwarder.sinkapi import Ok, Record, Reject, Result
+import orjson
+
+from forwarder.logutil import RateLimitedLog
+from forwarder.sinkapi import Ok, Record, Reject, Result, Retry
 
 CREDENTIAL_KINDS = ("managed_identity",)
+DETAIL_CHARS = 300
+MAX_ANSWER_BYTES = 256 * 1024  # enough of an answer to explain it; the rest is dropped with the connection
+TOKEN_MARGIN = 300.0  # refresh a token this long before it expires
 
 
 def check_credential_options(options: Mapping[str, Any], *, prefix: str = "") -> list[str]:
@@ -98,3 +107,67 @@ class ItemLedger:
         store[key] = value
         while len(store) > self._limit:
             store.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A service's answer: status, JSON body (or its text, or None when empty) and headers."""
+
+    status: int
+    body: Any
+    headers: Mapping[str, str]
+
+    def message(self) -> str:
+        """The service's own words, shortened to one line."""
+        body = self.body
+        if isinstance(body, dict):
+            error = body.get("error")
+            errors = body.get("errors")
+            if isinstance(error, dict):
+                text = f"{error.get('code') or ''}: {error.get('message') or ''}".strip(": ")
+            elif isinstance(errors, list) and errors and isinstance(errors[0], dict):
+                text = str(errors[0].get("message") or "")
+            else:
+                text = str(error or body.get("message") or body)
+        else:
+            text = str(body or "")
+        return " ".join(text.split())[:DETAIL_CHARS]
+
+
+def post_once(session: Any, url: str, body: bytes, headers: Mapping[str, str], *, timeout: float,
+              verify: str | bool, errors: RateLimitedLog, name: str) -> Answer | Retry:
+    """One POST with ``requests``, redirects not followed; the answer, or the Retry its failure means."""
+    import requests
+
+    try:
+        response = session.post(url, data=body, headers=headers, timeout=timeout,
+                                allow_redirects=False, stream=True, verify=verify)
+    except requests.exceptions.SSLError as exc:
+        errors.log(logging.ERROR, "tls", "sink %r: TLS error talking to %s: %s (records kept, will retry; "
+                   "check the certificate or set ca_file)", name, url, exc)
+        return Retry(reason="tls_error")
+    except requests.exceptions.Timeout:
+        errors.log(logging.WARNING, "timeout", "sink %r: %s did not answer within %gs", name, url, timeout)
+        return Retry(reason="timeout")
+    except requests.exceptions.RequestException as exc:
+        errors.log(logging.WARNING, "connection", "sink %r: cannot reach %s: %s", name, url, exc)
+        return Retry(reason="connection_error")
+    try:
+        raw = response.raw.read(MAX_ANSWER_BYTES, decode_content=True) or b""
+    except Exception:  # the status arrived; an unreadable answer must not hide it
+        raw = b""
+    finally:
+        response.close()
+    try:
+        parsed: Any = orjson.loads(raw) if raw.strip() else None
+    except orjson.JSONDecodeError:
+        parsed = raw.decode("utf-8", "replace")
+    return Answer(response.status_code, parsed, response.headers)
+
+
+def bearer_token(credential: Any, scope: str, cached: tuple[str, float] | None) -> tuple[str, float]:
+    """A token for ``scope``, the cached one while it has more than five minutes left."""
+    if cached is not None and cached[1] - TOKEN_MARGIN > time.time():
+        return cached
+    token = credential.get_token(scope)
+    return token.token, float(token.expires_on)
