@@ -20,9 +20,7 @@ and backoff (``Retry-After`` honoured), so ``send`` tries once and says what hap
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import logging
-import os
 import socket
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,18 +29,14 @@ from typing import Any, ClassVar
 from urllib.parse import urljoin, urlsplit
 
 import orjson
-import requests
-
 from forwarder import __version__
-from forwarder.logutil import RateLimitedLog
 from forwarder.records import rfc3339, utcnow
 from forwarder.retry import parse_retry_after
 from forwarder.sinkapi import Record, Result, Retry, SinkContext
 from forwarder.units import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import (
-    DETAIL_CHARS, Answer, ItemLedger, bearer_token, check_credential_options, managed_identity_credential,
-    post_once, read_secret_text,
+    DETAIL_CHARS, Answer, ItemLedger, ServiceClient, check_credential_options, identity_extra_problems, read_secret_text,
 )
 
 log = logging.getLogger(__name__)
@@ -57,7 +51,6 @@ TRACK_PATH = "v2.1/track"
 # The Entra ID scope of the ingestion endpoint; the double slash is what the service expects
 # (the audience is "https://monitor.azure.com/"). A connection string's AADAudience replaces it.
 DEFAULT_SCOPE = "https://monitor.azure.com//.default"
-EXTRA_HINT = "pip install 'scheduled-events-forwarder[appinsights]'"
 # Item and request statuses the service means as "later": the rest of the 4xx never change.
 RETRYABLE_ITEM_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 # Daily cap or ingestion quota reached: the service drops until the quota resets, so keep the records.
@@ -129,13 +122,6 @@ class ConnectionString:
         return cls(ikey, endpoint, scope)
 
 
-def _missing(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is None
-    except (ImportError, ValueError):  # a parent package missing, or blocked in sys.modules
-        return True
-
-
 def _chunks(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
     middle = len(items) // 2
     yield items[:middle]
@@ -166,30 +152,23 @@ class AppInsightsSink:
         self._conn = ConnectionString.parse(text)
         self._track_url = urljoin(self._conn.ingestion_endpoint + "/", TRACK_PATH)
         self.max_batch = int(options.get("batch_size", DEFAULT_BATCH))
-        self.timeout = parse_duration(options.get("timeout", DEFAULT_TIMEOUT))
-        # Certificates are always checked; ca_file only changes whom we trust. Passed on every
-        # request because requests lets REQUESTS_CA_BUNDLE override a Session's own verify.
-        self._verify: str | bool = os.path.expanduser(str(options["ca_file"])) if options.get("ca_file") else True
-        self._credential = managed_identity_credential(options) if options.get("credential") else None
-        self._token: tuple[str, float] | None = None
+        self._client = ServiceClient(self.name, options, scope=self._conn.scope, logger=log,
+                                     timeout=parse_duration(options.get("timeout", DEFAULT_TIMEOUT)))
+        self._errors = self._client.errors
         self._tags = {
             "ai.cloud.role": str(options.get("role_name") or DEFAULT_ROLE_NAME),
             "ai.cloud.roleInstance": socket.gethostname(),
             "ai.internal.sdkVersion": f"sefwd:{__version__}",
         }
-        self._session = requests.Session()
-        self._session.headers["User-Agent"] = f"scheduled-events-forwarder/{__version__}"
         self._lock = threading.Lock()
         self._ledger = ItemLedger(_MAX_REMEMBERED)
-        self._errors = RateLimitedLog(log)
 
     @classmethod
     def check(cls, options: Mapping[str, Any]) -> list[str]:
         """Every problem with ``options`` (reads the connection string, changes nothing)."""
         problems = unknown_options(options, cls.OPTIONS)
         problems += check_credential_options(options)
-        if options.get("credential") == "managed_identity" and _missing("azure.identity"):
-            problems.append(f'credential = "managed_identity" needs azure-identity; install it with: {EXTRA_HINT}')
+        problems += identity_extra_problems(options, "appinsights")
         try:
             text = read_secret_text(options, "connection_string")
         except ValueError as exc:
@@ -303,7 +282,7 @@ class AppInsightsSink:
                              "records are kept and retried", self.name, status, message)
             return Retry(reason="quota_exceeded", delay=delay)
         if status in (401, 403):
-            hint = ("the resource requires Entra ID: set credential = \"managed_identity\"" if self._credential is None
+            hint = ("the resource requires Entra ID: set credential = \"managed_identity\"" if self._client.credential is None
                     else "the identity needs the 'Monitoring Metrics Publisher' role on the resource")
             self._errors.log(logging.ERROR, "auth", "sink %r: %s answered %d (%s): %s; records are kept and retried",
                              self.name, self._track_url, status, hint, message)
@@ -326,18 +305,9 @@ class AppInsightsSink:
         """One POST (following the service's 307/308 to a regional endpoint); the answer or a Retry."""
         body = gzip.compress(orjson.dumps(envelopes), compresslevel=6)
         headers = {"Content-Type": "application/json", "Content-Encoding": "gzip", "Accept": "application/json"}
-        if self._credential is not None:
-            try:
-                self._token = bearer_token(self._credential, self._conn.scope, self._token)
-            except Exception as exc:  # getting a token failed: no identity, IMDS unreachable...
-                self._errors.log(logging.ERROR, "credential", "sink %r: cannot get a token for Application Insights: %s; "
-                                 "will retry", self.name, " ".join(str(exc).split())[:DETAIL_CHARS])
-                return Retry(reason="credential_unavailable")
-            headers["Authorization"] = f"Bearer {self._token[0]}"
         url = self._track_url
         for _ in range(MAX_REDIRECTS + 1):
-            answer = post_once(self._session, url, body, headers, timeout=self.timeout, verify=self._verify,
-                               errors=self._errors, name=self.name)
+            answer = self._client.post(url, body, headers)
             location = answer.headers.get("Location") if isinstance(answer, Answer) else None
             if isinstance(answer, Answer) and answer.status in (307, 308) and location \
                     and urlsplit(urljoin(url, location)).scheme == "https":
@@ -350,9 +320,4 @@ class AppInsightsSink:
     def close(self) -> None:
         """Close the keep-alive connections and the credential."""
         with self._lock:
-            for closable in (self._session, self._credential):
-                try:
-                    if closable is not None:
-                        closable.close()
-                except Exception as exc:  # closing must not mask the agent's own shutdown
-                    log.debug("sink %r: close failed: %s", self.name, exc)
+            self._client.close()

@@ -1,6 +1,7 @@
 """Shared by the Azure sinks: credentials, secrets and per-item outcomes; imported only when such a sink is configured."""
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import time
@@ -9,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -45,6 +47,33 @@ def managed_identity_credential(options: Mapping[str, Any]) -> Any:
 
     client_id = options.get("client_id")
     return ManagedIdentityCredential(client_id=client_id) if client_id else ManagedIdentityCredential()
+
+
+def check_https_endpoint(options: Mapping[str, Any], required: str, *, path: bool = True) -> list[str]:
+    """Problems with option ``endpoint``: an https URL without credentials, query or fragment (nor a path if not ``path``).
+
+    Keys and bearer tokens travel in headers, so plain http is never accepted (azure-core refuses it too).
+    ``required`` says what to copy where when the option is missing.
+    """
+    endpoint = options.get("endpoint")
+    if endpoint is None:
+        return [f"option 'endpoint' is required ({required})"]
+    if not isinstance(endpoint, str) or not endpoint.strip():
+        return [f"option 'endpoint' must be a non-empty string, got {endpoint!r}"]
+    try:
+        parts = urlsplit(endpoint.strip())
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        return [f"option 'endpoint' is not a valid URL: {exc}"]
+    if parts.scheme != "https":
+        return [f"option 'endpoint' must start with https://, got scheme {parts.scheme!r}"]
+    if not parts.hostname:
+        return ["option 'endpoint' has no host"]
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+        return ["option 'endpoint' must not carry credentials, a query or a fragment (the sink adds what it needs)"]
+    if not path and parts.path.strip("/"):
+        return [f"option 'endpoint' must not have a path, got {parts.path!r} (the sink adds it)"]
+    return []
 
 
 def read_secret_text(options: Mapping[str, Any], name: str, env: Mapping[str, str] | None = None) -> str | None:
@@ -165,9 +194,61 @@ def post_once(session: Any, url: str, body: bytes, headers: Mapping[str, str], *
     return Answer(response.status_code, parsed, response.headers)
 
 
-def bearer_token(credential: Any, scope: str, cached: tuple[str, float] | None) -> tuple[str, float]:
-    """A token for ``scope``, the cached one while it has more than five minutes left."""
-    if cached is not None and cached[1] - TOKEN_MARGIN > time.time():
-        return cached
-    token = credential.get_token(scope)
-    return token.token, float(token.expires_on)
+def identity_extra_problems(options: Mapping[str, Any], extra: str) -> list[str]:
+    """A problem when ``credential = "managed_identity"`` is set but azure-identity is not installed."""
+    if options.get("credential") != "managed_identity":
+        return []
+    try:
+        missing = importlib.util.find_spec("azure.identity") is None
+    except (ImportError, ValueError):  # a parent package missing, or blocked in sys.modules
+        missing = True
+    if not missing:
+        return []
+    return [f'credential = "managed_identity" needs azure-identity; install it with: '
+            f"pip install 'scheduled-events-forwarder[{extra}]'"]
+
+
+class ServiceClient:
+    """What a sink posting to an Azure service holds: a session, whom TLS trusts, maybe a managed identity."""
+
+    def __init__(self, name: str, options: Mapping[str, Any], *, scope: str, timeout: float,
+                 logger: logging.Logger) -> None:
+        import requests
+
+        from forwarder import __version__
+
+        self.name = name
+        self.scope = scope
+        self.timeout = timeout
+        # Certificates are always checked; ca_file only changes whom we trust. Passed on every
+        # request because requests lets REQUESTS_CA_BUNDLE override a Session's own verify.
+        self.verify: str | bool = os.path.expanduser(str(options["ca_file"])) if options.get("ca_file") else True
+        self.credential = managed_identity_credential(options) if options.get("credential") else None
+        self.errors = RateLimitedLog(logger)
+        self._token: tuple[str, float] | None = None
+        self._session = requests.Session()
+        self._session.headers["User-Agent"] = f"scheduled-events-forwarder/{__version__}"
+
+    def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> Answer | Retry:
+        """POST once, with a bearer token when there is a managed identity; the answer or a Retry."""
+        if self.credential is not None:
+            try:
+                if self._token is None or self._token[1] - TOKEN_MARGIN <= time.time():
+                    token = self.credential.get_token(self.scope)
+                    self._token = (token.token, float(token.expires_on))
+            except Exception as exc:  # no identity, IMDS unreachable...
+                self.errors.log(logging.ERROR, "credential", "sink %r: cannot get a token for %s: %s; will retry",
+                                self.name, self.scope, " ".join(str(exc).split())[:DETAIL_CHARS])
+                return Retry(reason="credential_unavailable")
+            headers = {**headers, "Authorization": f"Bearer {self._token[0]}"}
+        return post_once(self._session, url, body, headers, timeout=self.timeout, verify=self.verify,
+                         errors=self.errors, name=self.name)
+
+    def close(self) -> None:
+        """Close the keep-alive connections and the credential."""
+        for closable in (self._session, self.credential):
+            try:
+                if closable is not None:
+                    closable.close()
+            except Exception as exc:  # closing must not mask the agent's own shutdown
+                logging.getLogger(__name__).debug("sink %r: close failed: %s", self.name, exc)

@@ -369,7 +369,7 @@ class LogsIngestionPeer(ServerPeer):
     def _record(self, upload: Upload) -> None:
         with self._arrived:
             self._uploads.append(upload)
-            if upload.status == 204:
+            if 200 <= upload.status < 300:
                 self._rows.extend(upload.rows)
             self._arrived.notify_all()
 
