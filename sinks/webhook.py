@@ -231,6 +231,8 @@ class WebhookSink:
         mode = options.get("mode")
         if mode is not None and mode not in MODES:
             problems.append(f"option 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "binary" and any(str(name).lower().startswith("ce-") for name in options.get("headers") or {}):
+            problems.append("option 'headers': ce- headers are set by the sink in binary mode")
         if mode == "binary" and options.get("batch_size", 1) != 1:
             problems.append("option 'mode' = \"binary\" sends one record per request: leave batch_size at 1")
         origin = options.get("origin")

@@ -441,6 +441,8 @@ def test_binary_mode_needs_one_record_per_request():
     problems = WebhookSink.check({"url": "http://127.0.0.1:1/", "mode": "binary", "batch_size": 2})
     assert any("batch_size" in p for p in problems)
     assert any("mode" in p for p in WebhookSink.check({"url": "http://127.0.0.1:1/", "mode": "bin"}))
+    assert any("ce- headers" in p for p in WebhookSink.check({"url": "http://127.0.0.1:1/", "mode": "binary",
+                                                               "headers": {"ce-source": "/forged"}}))
 
 
 # -- CloudEvents webhook abuse protection (OPTIONS handshake) -------------------------------------
