@@ -14,7 +14,8 @@ Either takes a Microsoft Entra token instead of a key (``credential = "managed_i
 The body is the records' own structured-mode JSON, byte for byte (``application/cloudevents-batch+json``),
 so a subscriber gets exactly what the file and webhook sinks write. Why plain ``requests`` and not
 the ``azure-eventgrid`` SDK: the SDK takes ``CloudEvent`` objects or dicts and serializes them again
-(each record parsed and rebuilt on the way out), and sends whatever list it is given as one request,
+(4.22.1 against the test peer: the namespace client rewrote ``time``, the topic client ignored
+``connection_verify``), and sends whatever list it is given as one request,
 while the service refuses a request over 1 MB and an event over 1 MB (413). The sink packs requests
 up to ``max_request_bytes`` itself, remembers which records got in when a later request of the same
 batch fails (retries send only the rest), and refuses a single record that can never fit.
