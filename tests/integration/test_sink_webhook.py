@@ -486,12 +486,13 @@ def test_a_receiver_that_does_not_allow_us_gets_nothing_and_records_wait(receive
 
 
 def test_the_allowed_rate_spaces_the_requests(receiver, make_sink):
-    receiver.set_policy(handshaking("*", rate="600"))  # 10 a second
+    receiver.set_policy(handshaking("*", rate="60"))  # one a second
     sink = make_sink(url=receiver.url, handshake=True)
-    assert sink.send([record(n) for n in range(1, 6)]) == Ok()
-    posts = [r for r in receiver.wait_for(6) if r.method == "POST"]
-    gaps = [b.received_at - a.received_at for a, b in zip(posts, posts[1:])]
-    assert len(posts) == 5 and min(gaps) >= 0.09  # never faster than allowed (slower is fine)
+    assert sink.send([record(n) for n in range(1, 4)]) == Ok()
+    posts = [r for r in receiver.wait_for(4) if r.method == "POST"]
+    # Three requests one second apart span at least 2 s at the sender; the first one's transit
+    # (well under 0.5 s even on a loaded machine) is all that can shorten the span seen here.
+    assert len(posts) == 3 and posts[-1].received_at - posts[0].received_at >= 1.5
 
 
 def test_a_withdrawn_permission_is_asked_for_again(receiver, make_sink):
