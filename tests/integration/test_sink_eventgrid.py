@@ -213,3 +213,16 @@ def test_agent_publishes_to_a_namespace_topic_with_a_managed_identity(emu, tmp_p
     dead = dead_letters(config, "eg", env)
     assert [d["reason"] for d in dead] == ["http_400"] and "Freeze is not routed here" in dead[0]["detail"]
     assert Counter(peer.sent_ids())[next(iter(refused))] <= 2
+
+
+def test_a_managed_identity_without_azure_identity_names_the_extra():
+    import subprocess
+    import sys
+
+    from tests.agent import ROOT
+
+    script = ("import sys; sys.modules['azure.identity'] = None\n"
+              "from sinks.eventgrid import EventGridSink\n"
+              "print(EventGridSink.check({'endpoint': 'https://t.example/api/events', 'credential': 'managed_identity'}))")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    assert "pip install 'scheduled-events-forwarder[eventgrid]'" in out.stdout
