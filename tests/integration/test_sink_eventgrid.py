@@ -223,6 +223,6 @@ def test_a_managed_identity_without_azure_identity_names_the_extra():
 
     script = ("import sys; sys.modules['azure.identity'] = None\n"
               "from sinks.eventgrid import EventGridSink\n"
-              "print(EventGridSink.check({'endpoint': 'https://t.example/api/events', 'credential': 'managed_identity'}))")
+              "print(*EventGridSink.check({'endpoint': 'https://t.example/api/events', 'credential': 'managed_identity'}))")
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
     assert "pip install 'scheduled-events-forwarder[eventgrid]'" in out.stdout
