@@ -33,7 +33,8 @@ SUPPORTED_API_VERSIONS: tuple[str, ...] = (
 )
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 # Sink types whose SDK ships as a pip extra of the same name.
-SINK_EXTRAS: dict[str, str] = {"eventhubs": "eventhubs", "loganalytics": "loganalytics", "appinsights": "appinsights"}
+SINK_EXTRAS: dict[str, str] = {"eventhubs": "eventhubs", "loganalytics": "loganalytics", "appinsights": "appinsights",
+                               "eventgrid": "eventgrid"}
 # IMDS throttles above 5 requests per second per VM.
 MIN_POLL_INTERVAL = 0.2
 MAX_POLL_INTERVAL = 3600.0
@@ -102,6 +103,8 @@ class TelemetryConfig:
     connection_string_file: str | None = None
     unhealthy_after: float = 300.0  # /healthz is 503 once IMDS has failed for longer
     export_interval: float = 60.0
+    credential: str | None = None  # "managed_identity": Entra ID tokens for the Azure Monitor export
+    client_id: str | None = None  # a user-assigned managed identity
 
     @property
     def enabled(self) -> bool:
@@ -226,6 +229,13 @@ def _optional_file(value: Any) -> Path | None:
     return Path(text).expanduser() if text else None
 
 
+def _telemetry_credential(value: Any) -> str:
+    text = _string(value).strip()
+    if text != "managed_identity":
+        raise ValueError(f'must be "managed_identity", got {value!r}')
+    return text
+
+
 def _nonempty(value: Any) -> str:
     text = _string(value).strip()
     if not text:
@@ -283,6 +293,8 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "connection_string_file": _Key(None, _nonempty),
         "unhealthy_after": _Key("5m", _duration(0.0, low_inclusive=False)),
         "export_interval": _Key("60s", _duration(1.0)),
+        "credential": _Key(None, _telemetry_credential),
+        "client_id": _Key(None, _nonempty),
     },
 }
 # Nested tables with their own parsers, beside the flat SECTIONS.
@@ -392,6 +404,7 @@ def _missing_extra_hint(type_name: str) -> str:
 _TELEMETRY_MODULES = {
     "listen": ("opentelemetry.sdk.metrics", "opentelemetry.exporter.prometheus", "prometheus_client"),
     "connection_string": ("opentelemetry.sdk.metrics", "azure.monitor.opentelemetry.exporter"),
+    "credential": ("azure.identity",),
 }
 
 
@@ -414,7 +427,14 @@ def _telemetry_problems(values: Mapping[str, Any], env: Mapping[str, str]) -> li
         problems.append(f"telemetry.connection_string_env: environment variable {var} is not set")
     elif path and not os.path.isfile(os.path.expanduser(path)):
         problems.append(f"telemetry.connection_string_file: {path} is not a file")
+    exporting = bool(values.get("connection_string_env") or values.get("connection_string_file"))
+    if values.get("credential") and not exporting:
+        problems.append("telemetry.credential is for the Azure Monitor export: set connection_string_env or connection_string_file")
+    if values.get("client_id") and not values.get("credential"):
+        problems.append('telemetry.client_id needs credential = "managed_identity"')
     wanted = []
+    if values.get("credential"):
+        wanted.append("credential")
     if values.get("listen") is not None:
         wanted.append("listen")
     if values.get("connection_string_env") or values.get("connection_string_file"):
@@ -734,6 +754,10 @@ retry_after_cap = "5m"
 # connection_string_env = "SEFWD_TELEMETRY_CONNECTION_STRING"
 # # ... or read it from a file instead:
 # connection_string_file = "/etc/sefwd/telemetry-connection-string"
+# # Entra ID for the export (resources with local auth off): the VM's managed identity, which needs
+# # "Monitoring Metrics Publisher" on the Application Insights resource; client_id picks a user-assigned one.
+# credential = "managed_identity"
+# client_id = "00000000-0000-0000-0000-000000000000"
 # unhealthy_after = "5m"
 # export_interval = "60s"
 

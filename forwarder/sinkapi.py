@@ -27,6 +27,7 @@ BUILTIN_SINKS: dict[str, str] = {
     "eventhubs": "sinks.eventhubs:EventHubsSink",
     "loganalytics": "sinks.loganalytics:LogAnalyticsSink",
     "appinsights": "sinks.appinsights:AppInsightsSink",
+    "eventgrid": "sinks.eventgrid:EventGridSink",
 }
 
 

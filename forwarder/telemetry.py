@@ -380,6 +380,14 @@ class Telemetry(NullTelemetry):
             logger = logging.getLogger(name)
             if logger.level == logging.NOTSET:
                 logger.setLevel(logging.WARNING)
+        kwargs: dict[str, Any] = {}
+        if self.config.credential == "managed_identity":
+            # Entra ID instead of the instrumentation key alone (resources with local auth off); on a
+            # VM the token comes from IMDS, in tests AZURE_POD_IDENTITY_AUTHORITY_HOST names the emulator.
+            from azure.identity import ManagedIdentityCredential
+
+            client_id = self.config.client_id
+            kwargs["credential"] = ManagedIdentityCredential(client_id=client_id) if client_id else ManagedIdentityCredential()
         exporter = AzureMonitorMetricExporter(
             connection_string=_read_connection_string(self.config),
             # Metrics of an outage are not worth a disk queue; the directory keeps the SDK out of /tmp.
@@ -387,6 +395,7 @@ class Telemetry(NullTelemetry):
             storage_directory=str(state_dir / "telemetry" / "offline"),
             retry_total=0,
             timeout=10.0,
+            **kwargs,
         )
         interval_ms = self.config.export_interval * 1000
         return PeriodicExportingMetricReader(exporter, export_interval_millis=interval_ms,

@@ -5,62 +5,74 @@ its properties (customDimensions) are the record's CloudEvents attributes (id, s
 time, sequence, eventkey) and its data fields, nested values as JSON strings. The event time is
 the record's time, so AppEvents shows when the agent saw the change, not when it got through.
 
-Built on azure-monitor-opentelemetry's exporter, used directly and synchronously: no global
-``configure_azure_monitor`` (which would install process-wide providers and also ship the agent's
-own logs), no background batching — ``send`` knows whether Azure took the records. The exporter's
-own offline retry storage is turned off because the agent's journal already keeps undelivered
-records on disk and retries them in order; its directory is still pinned inside the sink's state
-directory, so nothing of the SDK ever lands in the temp directory.
+The sink posts the track envelopes itself (``POST {IngestionEndpoint}/v2.1/track``, a gzip'd JSON
+array) with ``requests``, the protocol every Application Insights SDK speaks. Why not the
+OpenTelemetry exporter: its public ``export()`` answers only SUCCESS or FAILURE, so a partial
+success (206), a permanent refusal (400) and an outage look the same, and custom events reach it
+only as log records, whose classes live in private OpenTelemetry modules (``opentelemetry._logs``).
+Posting the envelope gives the per-item answer: accepted items are remembered and never sent
+again, items refused with a retryable status (408, 429, 5xx) are retried alone, and items refused
+for good (400: the service will never take them) go to dead letters with the service's message.
+
+Nothing else is kept on the side: the journal is the offline buffer, the dispatcher owns retries
+and backoff (``Retry-After`` honoured), so ``send`` tries once and says what happened.
 """
 from __future__ import annotations
 
+import gzip
 import logging
-import os
 import socket
 import threading
-import time
-from collections.abc import Mapping, Sequence
-from datetime import datetime
-from pathlib import Path
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
+from urllib.parse import urljoin, urlsplit
 
 import orjson
-
-# Imported at module load on purpose: a missing extra then fails `config check` with the pip hint.
-from azure.monitor.opentelemetry.exporter import AzureMonitorLogExporter
-from opentelemetry._logs import LogRecord
-from opentelemetry.sdk._logs import ReadableLogRecord
-from opentelemetry.sdk._logs.export import LogRecordExportResult
-from opentelemetry.sdk.resources import Resource
-
-from forwarder.sinkapi import Ok, Record, Result, Retry, SinkContext
+from forwarder import __version__
+from forwarder.records import rfc3339, utcnow
+from forwarder.retry import parse_retry_after
+from forwarder.sinkapi import Record, Result, Retry, SinkContext
 from forwarder.units import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
-from sinks.azure_common import check_credential_options, managed_identity_credential, read_secret_text
+from sinks.azure_common import (
+    DETAIL_CHARS, Answer, ItemLedger, ServiceClient, check_credential_options, identity_extra_problems, read_secret_text,
+)
 
 log = logging.getLogger(__name__)
 
-# The attribute that makes the exporter write a custom event (AppEvents) named by its value.
-EVENT_NAME_ATTRIBUTE = "microsoft.custom_event.name"
+EVENT_ENVELOPE = "Microsoft.ApplicationInsights.Event"
 DEFAULT_ROLE_NAME = "scheduled-events-forwarder"
 DEFAULT_TIMEOUT = "10s"
 DEFAULT_BATCH = 100
 MAX_BATCH = 512
-OFFLINE_DIR = "offline"
+DEFAULT_INGESTION_ENDPOINT = "https://dc.services.visualstudio.com"
+TRACK_PATH = "v2.1/track"
+# The Entra ID scope of the ingestion endpoint; the double slash is what the service expects
+# (the audience is "https://monitor.azure.com/"). A connection string's AADAudience replaces it.
+DEFAULT_SCOPE = "https://monitor.azure.com//.default"
+# Item and request statuses the service means as "later": the rest of the 4xx never change.
+RETRYABLE_ITEM_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Daily cap or ingestion quota reached: the service drops until the quota resets, so keep the records.
+QUOTA_STATUS = frozenset({402, 439})
+MAX_PROPERTY_CHARS = 8192  # the service cuts longer property values; cutting here keeps items small
+MAX_REDIRECTS = 3
+# Item ids accepted or refused while their batch is still being retried; bounded for safety.
+_MAX_REMEMBERED = 4 * MAX_BATCH
 # CloudEvents attributes that say nothing a query needs (data is flattened instead).
 _SKIPPED_ATTRIBUTES = frozenset({"specversion", "datacontenttype", "data", "type"})
-# Chatty at INFO (every request's headers, every success); the agent logs outcomes itself.
-_QUIET_LOGGERS = ("azure.core.pipeline.policies.http_logging_policy", "azure.monitor.opentelemetry.exporter")
 
 
 def _property(value: Any) -> str:
     if isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return str(value)
-    return orjson.dumps(value).decode()
+        text = value
+    elif isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, (int, float)):
+        text = str(value)
+    else:
+        text = orjson.dumps(value).decode()
+    return text[:MAX_PROPERTY_CHARS]
 
 
 def event_properties(event: Mapping[str, Any]) -> dict[str, str]:
@@ -78,26 +90,42 @@ def event_properties(event: Mapping[str, Any]) -> dict[str, str]:
     return props
 
 
-def _timestamp_ns(event: Mapping[str, Any]) -> int:
-    text = event.get("time")
-    if isinstance(text, str):
-        try:
-            return int(datetime.fromisoformat(text).timestamp() * 1_000_000_000)
-        except ValueError:
-            pass
-    return time.time_ns()
+@dataclass(frozen=True)
+class ConnectionString:
+    """The parts of an Application Insights connection string this sink uses."""
+
+    instrumentation_key: str
+    ingestion_endpoint: str
+    scope: str
+
+    @classmethod
+    def parse(cls, text: str) -> ConnectionString:
+        """Parse ``Key=Value;...`` (keys case-insensitive); ValueError names what is wrong, never the value."""
+        fields: dict[str, str] = {}
+        for part in text.split(";"):
+            name, sep, value = part.partition("=")
+            if sep:
+                fields[name.strip().lower()] = value.strip()
+        ikey = fields.get("instrumentationkey")
+        if not ikey:
+            raise ValueError("the connection string has no InstrumentationKey (copy it from the Application Insights resource)")
+        endpoint = fields.get("ingestionendpoint")
+        if not endpoint and fields.get("endpointsuffix"):
+            location = f"{fields['location']}." if fields.get("location") else ""
+            endpoint = f"https://{location}dc.{fields['endpointsuffix']}"
+        endpoint = (endpoint or DEFAULT_INGESTION_ENDPOINT).rstrip("/")
+        parts = urlsplit(endpoint)
+        if parts.scheme != "https" or not parts.hostname:
+            raise ValueError("the connection string's IngestionEndpoint must be an https:// URL")
+        audience = fields.get("aadaudience")
+        scope = f"{audience.rstrip('/')}/.default" if audience else DEFAULT_SCOPE
+        return cls(ikey, endpoint, scope)
 
 
-
-def _check_connection_string(text: str) -> list[str]:
-    fields = {}
-    for part in text.split(";"):
-        name, sep, value = part.partition("=")
-        if sep:
-            fields[name.strip().lower()] = value.strip()
-    if not fields.get("instrumentationkey"):
-        return ["the connection string has no InstrumentationKey (copy it from the Application Insights resource)"]
-    return []
+def _chunks(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
+    middle = len(items) // 2
+    yield items[:middle]
+    yield items[middle:]
 
 
 class AppInsightsSink:
@@ -119,41 +147,28 @@ class AppInsightsSink:
         if problems:
             raise ValueError("; ".join(problems))
         self.name = context.name
-        connection_string = read_secret_text(options, "connection_string")
-        assert connection_string is not None  # check() made sure
+        text = read_secret_text(options, "connection_string")
+        assert text is not None  # check() made sure
+        self._conn = ConnectionString.parse(text)
+        self._track_url = urljoin(self._conn.ingestion_endpoint + "/", TRACK_PATH)
         self.max_batch = int(options.get("batch_size", DEFAULT_BATCH))
-        timeout = parse_duration(options.get("timeout", DEFAULT_TIMEOUT))
-        self.storage_dir = Path(context.state_dir) / OFFLINE_DIR
-        for name in _QUIET_LOGGERS:
-            logger = logging.getLogger(name)
-            if logger.level == logging.NOTSET:
-                logger.setLevel(logging.WARNING)
-        kwargs: dict[str, Any] = {
-            "connection_string": connection_string,
-            # The journal is the offline buffer; the directory only keeps the SDK out of /tmp.
-            "disable_offline_storage": True,
-            "storage_directory": str(self.storage_dir),
-            # One attempt per send: the dispatcher owns retries, backoff and Retry-After.
-            "retry_total": 0,
-            "timeout": timeout,
-            "read_timeout": timeout,
+        self._client = ServiceClient(self.name, options, scope=self._conn.scope, logger=log,
+                                     timeout=parse_duration(options.get("timeout", DEFAULT_TIMEOUT)))
+        self._errors = self._client.errors
+        self._tags = {
+            "ai.cloud.role": str(options.get("role_name") or DEFAULT_ROLE_NAME),
+            "ai.cloud.roleInstance": socket.gethostname(),
+            "ai.internal.sdkVersion": f"sefwd:{__version__}",
         }
-        if options.get("ca_file"):
-            kwargs["connection_verify"] = os.path.expanduser(str(options["ca_file"]))
-        if options.get("credential") == "managed_identity":
-            kwargs["credential"] = managed_identity_credential(options)
-        self._exporter = AzureMonitorLogExporter(**kwargs)
-        self._resource = Resource.create({
-            "service.name": str(options.get("role_name") or DEFAULT_ROLE_NAME),
-            "service.instance.id": socket.gethostname(),
-        })
         self._lock = threading.Lock()
+        self._ledger = ItemLedger(_MAX_REMEMBERED)
 
     @classmethod
     def check(cls, options: Mapping[str, Any]) -> list[str]:
         """Every problem with ``options`` (reads the connection string, changes nothing)."""
         problems = unknown_options(options, cls.OPTIONS)
         problems += check_credential_options(options)
+        problems += identity_extra_problems(options, "appinsights")
         try:
             text = read_secret_text(options, "connection_string")
         except ValueError as exc:
@@ -162,7 +177,10 @@ class AppInsightsSink:
             if text is None:
                 problems.append("set connection_string_env or connection_string_file (never the string inline)")
             else:
-                problems += _check_connection_string(text)
+                try:
+                    ConnectionString.parse(text)
+                except ValueError as exc:
+                    problems.append(str(exc))
         problems += check_int_range(options, "batch_size", 1, MAX_BATCH)
         problems += check_positive_duration(options, "timeout")
         role = options.get("role_name")
@@ -171,38 +189,135 @@ class AppInsightsSink:
         problems += check_readable_file(options, "ca_file")
         return problems
 
-    def _log_record(self, record: Record) -> ReadableLogRecord:
+    # -- envelopes ---------------------------------------------------------------------------
+    def envelope(self, record: Record) -> dict[str, Any]:
+        """The track envelope of one record: a custom event named by the record's type."""
         event = record.to_dict()
-        attributes: dict[str, Any] = {EVENT_NAME_ATTRIBUTE: record.type, **event_properties(event)}
-        return ReadableLogRecord(
-            LogRecord(timestamp=_timestamp_ns(event), observed_timestamp=time.time_ns(),
-                      body=record.type, attributes=attributes),
-            resource=self._resource,  # no instrumentation scope: it would add a logger_name property
-        )
+        when = event.get("time") if isinstance(event.get("time"), str) else rfc3339(utcnow())
+        return {
+            "ver": 1, "name": EVENT_ENVELOPE, "time": when, "sampleRate": 100.0,
+            "iKey": self._conn.instrumentation_key, "tags": self._tags,
+            "data": {"baseType": "EventData",
+                     "baseData": {"ver": 2, "name": record.type, "properties": event_properties(event)}},
+        }
 
+    # -- sending ----------------------------------------------------------------------------
     def send(self, batch: Sequence[Record]) -> Result:
-        """Export the batch as custom events; SUCCESS is Ok, anything else is retried."""
-        if not batch:
-            return Ok()
-        try:
-            logs = [self._log_record(r) for r in batch]
-            with self._lock:
-                result = self._exporter.export(logs)
-        except Exception as exc:  # never raise into the dispatcher: the records stay in the journal
-            log.error("sink %r: unexpected error exporting to Application Insights: %s: %s",
-                      self.name, type(exc).__name__, exc)
-            return Retry(reason="internal_error")
-        if result == LogRecordExportResult.SUCCESS:
-            return Ok()
-        # The exporter reports only success or failure (it logs the status itself). Everything is
-        # retried: throttling, outages and auth failures come back, and a partial success (206)
-        # is sent again whole, at least once as always.
-        return Retry(reason="export_failed")
-
-    def close(self) -> None:
-        """Shut the exporter down."""
+        """Track the batch's events; maps every outcome to Ok / Retry / Reject and never raises."""
         with self._lock:
             try:
-                self._exporter.shutdown()
-            except Exception as exc:  # closing must not mask the agent's own shutdown
-                log.debug("sink %r: exporter shutdown failed: %s", self.name, exc)
+                pending = self._ledger.pending(batch)
+                retry = self._deliver(pending) if pending else None
+            except Exception as exc:  # never raise into the dispatcher: the records stay in the journal
+                log.error("sink %r: unexpected error sending to %s: %s: %s",
+                          self.name, self._track_url, type(exc).__name__, exc)
+                return Retry(reason="internal_error")
+            if retry is not None:
+                return retry  # accepted and refused items are remembered; only the rest goes again
+            self._errors.clear("request")
+            return self._ledger.outcome(batch)
+
+    def _deliver(self, records: Sequence[Record]) -> Retry | None:
+        """Post the records' envelopes; remembers accepted and refused items; a Retry if any must go again."""
+        answer = self._post([self.envelope(r) for r in records])
+        if isinstance(answer, Retry):
+            return answer
+        status, body = answer.status, answer.body
+        if status == 413:
+            if len(records) == 1:
+                self._ledger.refuse(records[0], "item_too_large", f"HTTP 413: {answer.message()}")
+                return None
+            log.info("sink %r: 413 for %d events, sending them in two halves", self.name, len(records))
+            for half in _chunks(records):
+                retry = self._deliver(half)
+                if retry is not None:
+                    return retry
+            return None
+        errors = body.get("errors") if isinstance(body, dict) else None
+        if status in (200, 206) or (status == 400 and isinstance(errors, list) and errors):
+            return self._items(records, errors or [], answer.headers)
+        return self._request_failed(records, answer)
+
+    def _items(self, records: Sequence[Record], errors: list[Any], headers: Mapping[str, str]) -> Retry | None:
+        """Per-item outcome of a 200/206/400 answer: index-less or unknown errors count as retryable."""
+        failed: dict[int, tuple[int, str]] = {}
+        for error in errors:
+            if not isinstance(error, dict):
+                continue
+            index, status = error.get("index"), error.get("statusCode")
+            if isinstance(index, int) and 0 <= index < len(records):
+                failed[index] = (status if isinstance(status, int) else 500, " ".join(str(error.get("message") or "").split()))
+        retry_later = 0
+        for index, record in enumerate(records):
+            if index not in failed:
+                self._ledger.accept(record)
+                continue
+            status, message = failed[index]
+            if status in RETRYABLE_ITEM_STATUS:
+                retry_later += 1
+            else:
+                self._ledger.refuse(record, f"item_{status}", f"HTTP {status}: {message}"[:DETAIL_CHARS])
+        refused = len(failed) - retry_later
+        if refused:
+            log.error("sink %r: Application Insights refused %d of %d event(s) for good (first: %s)",
+                      self.name, refused, len(records),
+                      next(m for s, m in failed.values() if s not in RETRYABLE_ITEM_STATUS)[:DETAIL_CHARS])
+        if retry_later:
+            delay = parse_retry_after(headers.get("Retry-After"))
+            self._errors.log(logging.WARNING, "items", "sink %r: %d of %d event(s) not accepted yet; will retry them alone",
+                             self.name, retry_later, len(records))
+            return Retry(reason="partial_success", delay=delay)
+        return None
+
+    def _request_failed(self, records: Sequence[Record], answer: Answer) -> Retry | None:
+        status, message = answer.status, answer.message()
+        delay = parse_retry_after(answer.headers.get("Retry-After"))
+        if status in RETRYABLE_ITEM_STATUS:
+            reason = "throttled" if status == 429 else f"http_{status}"
+            self._errors.log(logging.WARNING, "request", "sink %r: %s answered %d%s: %s", self.name, self._track_url,
+                             status, f", retry after {delay:g}s" if delay is not None else "", message)
+            return Retry(reason=reason, delay=delay)
+        if status in QUOTA_STATUS:
+            self._errors.log(logging.ERROR, "quota", "sink %r: Application Insights quota or daily cap reached (%d): %s; "
+                             "records are kept and retried", self.name, status, message)
+            return Retry(reason="quota_exceeded", delay=delay)
+        if status in (401, 403):
+            hint = ("the resource requires Entra ID: set credential = \"managed_identity\"" if self._client.credential is None
+                    else "the identity needs the 'Monitoring Metrics Publisher' role on the resource")
+            self._errors.log(logging.ERROR, "auth", "sink %r: %s answered %d (%s): %s; records are kept and retried",
+                             self.name, self._track_url, status, hint, message)
+            return Retry(reason="auth_failed" if status == 401 else "forbidden")
+        detail = f"HTTP {status}: {message}"
+        if len(records) == 1:
+            self._ledger.refuse(records[0], f"http_{status}", detail)
+            log.error("sink %r: %s refused event %s: %s", self.name, self._track_url, records[0].id, detail)
+            return None
+        # Refused as a whole without saying which: each record goes alone to find the bad ones.
+        log.warning("sink %r: %s refused a request of %d events (%s); sending them one by one",
+                    self.name, self._track_url, len(records), detail)
+        for record in records:
+            retry = self._deliver([record])
+            if retry is not None:
+                return retry
+        return None
+
+    def _post(self, envelopes: list[dict[str, Any]]) -> Answer | Retry:
+        """One POST (following the service's 307/308 to a regional endpoint); the answer or a Retry."""
+        body = gzip.compress(orjson.dumps(envelopes), compresslevel=6)
+        headers = {"Content-Type": "application/json", "Content-Encoding": "gzip", "Accept": "application/json"}
+        url = self._track_url
+        for _ in range(MAX_REDIRECTS + 1):
+            answer = self._client.post(url, body, headers)
+            location = answer.headers.get("Location") if isinstance(answer, Answer) else None
+            if isinstance(answer, Answer) and answer.status in (307, 308) and location \
+                    and urlsplit(urljoin(url, location)).scheme == "https":
+                url = urljoin(url, location)
+                self._track_url = url  # the service moved this resource's ingestion: go there from now on
+                continue
+            return answer
+        return Retry(reason="too_many_redirects")
+
+    def close(self) -> None:
+        """Close the keep-alive connections and the credential."""
+        with self._lock:
+            self._client.close()

@@ -27,7 +27,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
 
 import azure.identity  # noqa: F401 - a missing extra then fails at load time, where config check names it
 from azure.core.exceptions import (
@@ -43,7 +42,7 @@ from forwarder.retry import parse_retry_after
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
 from forwarder.units import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
-from sinks.azure_common import check_credential_options, managed_identity_credential
+from sinks.azure_common import check_credential_options, check_https_endpoint, managed_identity_credential
 from sinks.la_schema import STREAM, to_row
 
 log = logging.getLogger(__name__)
@@ -70,29 +69,6 @@ class _ChunkFailed(Exception):
 
 def _abort(failure: LogsUploadError) -> None:
     raise _ChunkFailed(failure)
-
-
-def _check_endpoint(options: Mapping[str, Any]) -> list[str]:
-    endpoint = options.get("endpoint")
-    if endpoint is None:
-        return ["option 'endpoint' is required (the DCR's logs ingestion endpoint or a DCE, https://...)"]
-    if not isinstance(endpoint, str) or not endpoint.strip():
-        return [f"option 'endpoint' must be a non-empty string, got {endpoint!r}"]
-    try:
-        parts = urlsplit(endpoint.strip())
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError as exc:
-        return [f"option 'endpoint' is not a valid URL: {exc}"]
-    if parts.scheme != "https":
-        # azure-core refuses to send a bearer token over plain http, so http can never work.
-        return [f"option 'endpoint' must start with https://, got scheme {parts.scheme!r}"]
-    if not parts.hostname:
-        return ["option 'endpoint' has no host"]
-    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
-        return ["option 'endpoint' must be a bare https://host[:port] URL (no credentials, query or fragment)"]
-    if parts.path.strip("/"):
-        return [f"option 'endpoint' must not have a path, got {parts.path!r} (the sink adds /dataCollectionRules/...)"]
-    return []
 
 
 def _service_message(exc: HttpResponseError) -> str:
@@ -155,7 +131,7 @@ class LogAnalyticsSink:
     def check(cls, options: Mapping[str, Any]) -> list[str]:
         """Every problem with ``options`` (reads nothing but ca_file's existence)."""
         problems = unknown_options(options, cls.OPTIONS)
-        problems += _check_endpoint(options)
+        problems += check_https_endpoint(options, "the DCR's logs ingestion endpoint or a DCE, https://...", path=False)
         rule_id = options.get("rule_id")
         if rule_id is None:
             problems.append("option 'rule_id' is required (the DCR's immutableId, dcr-...)")
@@ -281,7 +257,7 @@ class LogAnalyticsSink:
                                  self.name, self.endpoint, text)
                 return Retry(reason="tls_error")
             reason = "timeout" if "timed out" in text.lower() or "timeout" in type(error).__name__.lower() else "connection_error"
-            self._errors.log(logging.WARNING, "connection_error", "sink %r: cannot reach %s: %s", self.name, self.endpoint, text)
+            self._errors.log(logging.WARNING, reason, "sink %r: cannot reach %s (%s): %s", self.name, self.endpoint, reason, text)
             return Retry(reason=reason)
         self._errors.log(logging.ERROR, "internal_error", "sink %r: upload to %s failed: %s: %s",
                          self.name, where, type(error).__name__, error)

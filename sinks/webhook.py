@@ -6,23 +6,38 @@ secret, every request carries ``webhook-id`` / ``webhook-timestamp`` / ``webhook
 the id is the record id (or a digest of the batch's record ids), so it stays the same on every
 retry and a receiver can de-duplicate on it.
 
+CloudEvents HTTP binding: ``mode = "structured"`` (the default) sends the whole event as the body;
+``mode = "binary"`` sends each attribute as a ``ce-`` header (percent-encoded as the binding says)
+and only ``data`` as the body, typed by ``datacontenttype`` — what many CloudEvents SDK receivers and
+routers expect. Binary mode is one record per request. With a secret, the signature covers the body
+only, so in binary mode the ``ce-`` headers are not signed (use structured mode when they must be).
+
+``handshake = true`` performs the CloudEvents webhook abuse-protection handshake before the first
+delivery: an ``OPTIONS`` request with ``WebHook-Request-Origin``; deliveries start once the
+receiver answers 2xx with a matching ``WebHook-Allowed-Origin`` (or ``*``), and never exceed a
+``WebHook-Allowed-Rate`` (requests per minute) it grants. Until the receiver allows us the records
+wait (retried, logged); a 401/403 later makes the sink ask again.
+
 TLS certificates are always verified (``ca_file`` adds trust in a private CA); plain ``http://``
 is allowed for loopback receivers, and elsewhere only with ``insecure_http = true``. Redirects are
 not followed: a signed POST should not wander to another address unnoticed.
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import ipaddress
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
+import orjson
 import requests
 
 from forwarder import __version__
@@ -47,8 +62,34 @@ _TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 # Set by the sink itself; a configured value would break the body or the signature.
 _RESERVED_HEADERS = frozenset({
     "content-type", "content-length", "transfer-encoding", "host", "connection",
-    "webhook-id", "webhook-timestamp", "webhook-signature",
+    "webhook-id", "webhook-timestamp", "webhook-signature", "webhook-request-origin",
 })
+MODES = ("structured", "binary")
+# CloudEvents HTTP binding 3.1.3.2: printable ASCII stays, except space, double quote and percent.
+_CE_SAFE = "".join(c for c in map(chr, range(0x21, 0x7F)) if c not in ' "%')
+_CE_BODY_ATTRIBUTES = frozenset({"data", "data_base64", "datacontenttype"})
+
+
+def binary_message(event: Mapping[str, Any]) -> tuple[dict[str, str], bytes]:
+    """CloudEvents HTTP binary mode: ``ce-`` headers for the attributes, ``data`` as the body."""
+    headers = {}
+    for name, value in event.items():
+        if name in _CE_BODY_ATTRIBUTES or value is None:
+            continue
+        text = value if isinstance(value, str) else orjson.dumps(value).decode()
+        headers[f"ce-{name}"] = quote(text, safe=_CE_SAFE)
+    content_type = str(event.get("datacontenttype") or "application/json")
+    data = event.get("data")
+    if event.get("data_base64") is not None:
+        body = base64.b64decode(event["data_base64"])
+    elif data is None:
+        body = b""
+    elif isinstance(data, str) and not content_type.split(";")[0].strip().endswith("json"):
+        body = data.encode()
+    else:
+        body = orjson.dumps(data)
+    headers["Content-Type"] = content_type
+    return headers, body
 
 
 def _is_loopback(host: str) -> bool:
@@ -127,6 +168,9 @@ class WebhookSink:
         "secret_file": "file holding a whsec_ secret: sign requests (Standard Webhooks)",
         "insecure_http": "allow plain http:// to a non-loopback host (default false)",
         "ca_file": "PEM file of CA certificates to trust instead of the system store (private CA)",
+        "mode": 'CloudEvents HTTP content mode: "structured" (whole event as body, default) or "binary" (ce- headers)',
+        "handshake": "ask the receiver's permission first (CloudEvents webhook OPTIONS handshake; default false)",
+        "origin": "WebHook-Request-Origin to announce in the handshake (default: this host's name)",
     }
 
     def __init__(
@@ -155,6 +199,13 @@ class WebhookSink:
         # request because requests lets REQUESTS_CA_BUNDLE override a Session's own verify.
         self._verify: str | bool = os.path.expanduser(options["ca_file"]) if options.get("ca_file") else True
         self._session.headers["User-Agent"] = USER_AGENT
+        self.binary = options.get("mode", "structured") == "binary"
+        self._handshake = options.get("handshake") is True
+        self.origin = str(options.get("origin") or socket.getfqdn() or socket.gethostname())
+        self._allowed = False  # the receiver granted our origin (handshake)
+        self._interval = 0.0  # seconds between requests, from WebHook-Allowed-Rate
+        self._next_at = 0.0
+        self._stop = context.stop
         if urlsplit(self.url).scheme == "http":
             log.warning(
                 "sink %r: sending records over plain http to %s (unencrypted%s)",
@@ -176,7 +227,59 @@ class WebhookSink:
         except ConfigError as exc:
             problems += exc.problems
         problems += check_readable_file(options, "ca_file")
+        problems += check_bool(options, "handshake")
+        mode = options.get("mode")
+        if mode is not None and mode not in MODES:
+            problems.append(f"option 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "binary" and any(str(name).lower().startswith("ce-") for name in options.get("headers") or {}):
+            problems.append("option 'headers': ce- headers are set by the sink in binary mode")
+        if mode == "binary" and options.get("batch_size", 1) != 1:
+            problems.append("option 'mode' = \"binary\" sends one record per request: leave batch_size at 1")
+        origin = options.get("origin")
+        if origin is not None and (not isinstance(origin, str) or not _TOKEN.match(origin.replace(":", ""))):
+            problems.append(f"option 'origin' must be a host name like sender.example.com, got {origin!r}")
         return problems
+
+    # -- the abuse-protection handshake ---------------------------------------------------------
+    def _permission(self) -> Result | None:
+        """None once the receiver allows our origin; else the Retry that makes the records wait."""
+        if not self._handshake or self._allowed:
+            return None
+        try:
+            response = self._session.options(
+                self.url, headers={"WebHook-Request-Origin": self.origin}, timeout=self.timeout,
+                allow_redirects=False, verify=self._verify,
+            )
+            response.close()
+        except requests.exceptions.RequestException as exc:
+            log.warning("sink %r: handshake with %s failed: %s", self.name, self._safe_url, self._redact(str(exc)))
+            return Retry(reason="timeout" if isinstance(exc, requests.exceptions.Timeout) else "connection_error")
+        status = response.status_code
+        allowed = (response.headers.get("WebHook-Allowed-Origin") or "").strip()
+        if 200 <= status < 300 and allowed in (self.origin, "*"):
+            self._allowed = True
+            rate = (response.headers.get("WebHook-Allowed-Rate") or "*").strip()
+            self._interval = 60.0 / int(rate) if rate.isdigit() and int(rate) > 0 else 0.0
+            log.info("sink %r: %s allows deliveries from %s%s", self.name, self._safe_url, self.origin,
+                     f" at {rate} per minute" if self._interval else "")
+            return None
+        if status == 429 or status >= 500:
+            delay = parse_retry_after(response.headers.get("Retry-After"))
+            log.warning("sink %r: handshake with %s answered %d", self.name, self._safe_url, status)
+            return Retry(reason=f"handshake_http_{status}", delay=delay)
+        log.error("sink %r: %s does not allow deliveries from %r (OPTIONS answered %d, WebHook-Allowed-Origin %r); "
+                  "records are kept and the handshake is retried", self.name, self._safe_url, self.origin, status,
+                  allowed or None)
+        return Retry(reason="not_allowed")
+
+    def _pace(self) -> bool:
+        """Wait for the next request slot the receiver's allowed rate gives; False when stopping."""
+        if self._interval:
+            wait = self._next_at - time.monotonic()
+            if wait > 0 and self._stop.wait(wait):
+                return False
+            self._next_at = max(self._next_at, time.monotonic()) + self._interval
+        return True
 
     # -- sending ----------------------------------------------------------------------------
     def send(self, batch: Sequence[Record]) -> Result:
@@ -184,11 +287,18 @@ class WebhookSink:
         if not batch:
             return Ok()
         try:
+            refused = self._permission()
+            if refused is not None:
+                return refused
             if self.batch_size == 1:
                 # More records than max_batch: send each in turn (a retry re-sends the earlier ones,
                 # which is at-least-once as usual).
                 for record in batch:
-                    result = self._post(record.body, record.id, CONTENT_TYPE_SINGLE)
+                    if self.binary:
+                        headers, body = binary_message(record.to_dict())
+                        result = self._post(body, record.id, headers.pop("Content-Type"), headers)
+                    else:
+                        result = self._post(record.body, record.id, CONTENT_TYPE_SINGLE)
                     if not isinstance(result, Ok):
                         return result
                 return Ok()
@@ -199,11 +309,14 @@ class WebhookSink:
                       self._redact(f"{type(exc).__name__}: {exc}"))
             return Retry(reason="internal_error")
 
-    def _post(self, body: bytes, msg_id: str, content_type: str) -> Result:
+    def _post(self, body: bytes, msg_id: str, content_type: str, ce_headers: Mapping[str, str] | None = None) -> Result:
         headers = dict(self._extra_headers)
+        headers.update(ce_headers or {})
         headers["Content-Type"] = content_type
         if self._key is not None:
             headers.update(sign_headers(self._key, msg_id, body, now=self._clock()))
+        if not self._pace():
+            return Retry(reason="stopping")
         with self._lock:
             try:
                 response = self._session.post(
@@ -223,6 +336,8 @@ class WebhookSink:
             except requests.exceptions.RequestException as exc:
                 log.warning("sink %r: cannot reach %s: %s", self.name, self._safe_url, self._redact(str(exc)))
                 return Retry(reason="connection_error")
+            if self._handshake and response.status_code in (401, 403):
+                self._allowed = False  # the permission may have been withdrawn: ask again next time
             try:
                 return self._result(response)
             except requests.exceptions.RequestException as exc:

@@ -116,3 +116,13 @@ class AgentProcess:
 
     def logs(self) -> str:
         return b"".join(self._chunks).decode(errors="replace")
+
+
+def dead_letters(config: Path, sink: str, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """``sefwd deadletter list SINK --json``: the sink's dead letters as the CLI shows them."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SEFWD_")}
+    full_env.update(env or {})
+    full_env["PYTHONPATH"] = str(ROOT)
+    out = subprocess.run([sys.executable, "-m", "forwarder", "deadletter", "list", sink, "--json", "--config", str(config)],
+                         capture_output=True, env=full_env, cwd=str(ROOT), timeout=60, check=True)
+    return [orjson.loads(line) for line in out.stdout.splitlines() if line.strip()]

@@ -78,10 +78,11 @@ def test_polling_itself_never_loads_requests(tmp_path):
 def test_configured_sink_with_missing_extra_names_the_pip_extra(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text(f'[state]\ndir = "{tmp_path / "s"}"\n'
-                      '[[sinks]]\ntype = "appinsights"\nname = "ai"\nconnection_string_env = "TEST_AI_CONN"\n')
+                      '[[sinks]]\ntype = "appinsights"\nname = "ai"\nconnection_string_env = "TEST_AI_CONN"\n'
+                      'credential = "managed_identity"\n')
     script = textwrap.dedent(f"""
         import sys
-        sys.modules["azure.monitor.opentelemetry"] = None  # as if the extra were not installed
+        sys.modules["azure.identity"] = None  # as if the extra were not installed
         from forwarder.config import load_config
         from forwarder.errors import ConfigError
         try:

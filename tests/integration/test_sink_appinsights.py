@@ -1,18 +1,20 @@
-"""The appinsights sink with the real azure-monitor-opentelemetry exporter against an HTTPS /v2.1/track peer."""
+"""The appinsights sink (track envelopes posted with requests) against an HTTPS /v2.1/track peer."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("azure.monitor.opentelemetry.exporter")
-
-from forwarder.emulator import Emulator  # noqa: E402
-from forwarder.sinkapi import Ok, Record, Retry, SinkContext  # noqa: E402
-from sinks.appinsights import AppInsightsSink, event_properties  # noqa: E402
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config  # noqa: E402
-from tests.peers.appinsights_peer import IKEY, AppInsightsPeer, Answer  # noqa: E402
+from forwarder.emulator import Emulator
+from forwarder.sinkapi import Ok, Record, Reject, Retry, SinkContext
+from sinks.appinsights import AppInsightsSink, event_properties
+from tests.agent import ROOT, AgentProcess, dead_letters, read_jsonl, wait_until, write_config
+from tests.peers.appinsights_peer import IKEY, AppInsightsPeer, Answer
 
 # Keep the SDK's own phone-home features off the network in tests (they are documented env switches).
 QUIET_SDK_ENV = {
@@ -31,6 +33,13 @@ def _record(n: int, type_: str = "scheduledevent.scheduled") -> Record:
                  "DurationInSeconds": -1, "AffectsThisVm": True, "PreviousStatus": None,
                  "Vm": {"Name": "web-0", "VmId": "abc"}},
     })
+
+
+def _noisy(n: int) -> Record:
+    """A record whose envelope does not compress (random text in the data)."""
+    event = _record(n).to_dict()
+    event["data"]["Description"] = os.urandom(1000).hex()
+    return Record.from_dict(event)
 
 
 @pytest.fixture(autouse=True)
@@ -104,13 +113,70 @@ def test_failure_is_retry_then_recovery_delivers_once(peer, make_sink, status):
     assert ids == ["id-1", "id-2"]
 
 
-def test_partial_success_is_retried_whole(peer, make_sink):
+def test_partial_success_retries_only_the_failed_items(peer, make_sink):
     sink = make_sink()
-    peer.queue(Answer(206, reject=[1]))
-    assert isinstance(sink.send([_record(1), _record(2)]), Retry)
-    assert sink.send([_record(1), _record(2)]) == Ok()
-    ids = [e["data"]["baseData"]["properties"]["id"] for e in peer.wait_for_events(3)]
-    assert ids == ["id-1", "id-1", "id-2"]  # at least once: the accepted one comes again
+    peer.queue(Answer(206, reject=[1], retry_after=3))
+    batch = [_record(1), _record(2), _record(3)]
+    assert sink.send(batch) == Retry(reason="partial_success", delay=3.0)
+    assert sink.send(batch) == Ok()
+    assert peer.event_ids() == ["id-1", "id-3", "id-2"]  # each once
+    assert [len(r.envelopes) for r in peer.requests] == [3, 1]  # the retry carried only the failed item
+
+
+def test_items_refused_for_good_are_rejected_one_by_one_and_never_sent_again(peer, make_sink):
+    sink = make_sink()
+    peer.queue(Answer(206, refuse=[1]))
+    batch = [_record(1), _record(2), _record(3)]
+    result = sink.send(batch)
+    assert isinstance(result, Reject) and result.reason == "items_refused"
+    # What the dispatcher does with a Reject of several records: each one alone.
+    first, second, third = (sink.send([r]) for r in batch)
+    assert first == Ok() and third == Ok()
+    assert isinstance(second, Reject) and second.reason == "item_400" and "scripted item refusal" in second.detail
+    assert peer.event_ids() == ["id-1", "id-3"]
+    assert peer.sent_ids() == ["id-1", "id-2", "id-3"]  # nothing went twice
+
+
+def test_an_invalid_event_is_a_permanent_400_not_a_retry(peer, make_sink):
+    sink = make_sink()
+    peer.item_rule = lambda envelope: 400 if envelope["data"]["baseData"]["properties"]["id"] == "id-2" else None
+    result = sink.send([_record(2)])
+    assert isinstance(result, Reject) and result.reason == "item_400"
+    assert peer.requests[-1].status == 400
+    assert sink.send([_record(1)]) == Ok()
+
+
+def test_a_request_refused_as_a_whole_is_split_to_find_the_bad_event(peer, make_sink):
+    sink = make_sink()
+    # No per-item answer (e.g. a proxy in front of the service): the sink tries each event alone.
+    peer.queue(Answer(404), Answer(200), Answer(404))
+    result = sink.send([_record(1), _record(2)])
+    assert isinstance(result, Reject) and result.reason == "items_refused"
+    first, second = (sink.send([r]) for r in (_record(1), _record(2)))
+    assert first == Ok() and isinstance(second, Reject) and second.reason == "http_404"
+    assert peer.event_ids() == ["id-1"]
+    assert [len(r.envelopes) for r in peer.requests] == [2, 1, 1]
+
+
+def test_429_honours_retry_after_and_a_quota_is_kept_not_dropped(peer, make_sink):
+    sink = make_sink()
+    peer.queue(Answer(429, retry_after=7), Answer(439, retry_after=60))
+    assert sink.send([_record(1)]) == Retry(reason="throttled", delay=7.0)
+    assert sink.send([_record(1)]) == Retry(reason="quota_exceeded", delay=60.0)
+    assert sink.send([_record(1)]) == Ok()
+    assert peer.event_ids() == ["id-1"]
+
+
+def test_413_splits_the_request_until_it_fits(peer, make_sink):
+    sink = make_sink()
+    peer.max_body = 3_000  # one gzip'd event is ~1.5 KB: four together are too big
+    batch = [_noisy(n) for n in range(1, 5)]
+    assert sink.send(batch) == Ok()
+    assert 413 in {r.status for r in peer.requests}
+    assert sorted(peer.event_ids()) == ["id-1", "id-2", "id-3", "id-4"]
+    peer.max_body = 10
+    result = sink.send([_noisy(5)])
+    assert isinstance(result, Reject) and result.reason == "item_too_large"
 
 
 def test_slow_peer_times_out_as_retry(peer, make_sink):
@@ -156,7 +222,14 @@ def test_nothing_written_to_the_temp_dir(peer, tmp_path, monkeypatch):
     finally:
         sink.close()
     assert list(fake_tmp.iterdir()) == []
-    assert sink.storage_dir.is_relative_to(state)
+    assert not state.exists()  # the journal is the only offline buffer
+
+
+def test_the_sink_imports_no_opentelemetry_and_no_azure_sdk():
+    script = ("import sys, sinks.appinsights; "
+              "print([m for m in sys.modules if m.startswith(('opentelemetry', 'azure'))])")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 def test_managed_identity_token_from_imds(tmp_path, monkeypatch):
@@ -196,10 +269,12 @@ def test_without_credential_an_entra_only_resource_is_retried(tmp_path, monkeypa
     ({"connection_string_env": "TEST_AI_CONN", "connection_string": "InstrumentationKey=x"}, "unknown option"),
     ({"connection_string_env": "TEST_AI_CONN", "ca_file": "/nonexistent/ca.pem"}, "ca_file"),
     ({"connection_string_env": "TEST_AI_BAD"}, "InstrumentationKey"),
+    ({"connection_string_env": "TEST_AI_HTTP"}, "https://"),
 ])
 def test_check_reports_problem(options, fragment, monkeypatch):
     monkeypatch.setenv("TEST_AI_CONN", "InstrumentationKey=00000000-0000-0000-0000-000000000000")
     monkeypatch.setenv("TEST_AI_BAD", "IngestionEndpoint=https://example.invalid/")
+    monkeypatch.setenv("TEST_AI_HTTP", f"InstrumentationKey={IKEY};IngestionEndpoint=http://example.invalid/")
     problems = AppInsightsSink.check(options)
     assert any(fragment in p for p in problems), problems
     with pytest.raises(ValueError):
@@ -239,19 +314,68 @@ def test_agent_keeps_records_while_peer_is_down_then_delivers_once_in_order(tmp_
             emu.start_event(first)
             wait_until(lambda: sum(r.get("subject") == first for r in read_jsonl(tmp_path / "out.jsonl")) >= 2,
                        30, "the started record in the file sink")
-            wait_until(lambda: "export_failed" in agent.logs() or "Retrying" in agent.logs(), 30, "a failed export")
+            wait_until(lambda: "connection_error" in agent.logs(), 30, "a failed send")
             peer.start(port)
-            peer.queue(503, Answer(429, retry_after=0.2))  # a bumpy recovery
+            # A bumpy recovery: an answer that comes after the sink gave up waiting (the service
+            # took those events all the same), an outage answer, throttling with Retry-After.
+            peer.queue(Answer(200, delay=4), 503, Answer(429, retry_after=0.2))
             expected = [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")]
-            wait_until(lambda: {e["data"]["baseData"]["properties"]["id"] for e in peer.events()} >= set(expected),
+            wait_until(lambda: set(peer.event_ids()) >= set(expected) and any(r.delayed for r in peer.requests),
                        60, "every record in Application Insights")
         finally:
             assert agent.terminate() == 0
             peer.stop()
-    ids = [e["data"]["baseData"]["properties"]["id"] for e in peer.events()]
-    assert len(ids) == len(set(ids)), "each record arrives once"
-    seqs = [int(e["data"]["baseData"]["properties"]["sequence"]) for e in peer.events()]
-    assert seqs == sorted(seqs), "in order"
+    late = {e["data"]["baseData"]["properties"]["id"] for r in peer.requests if r.delayed for e in r.envelopes}
+    twice = {i for i, n in Counter(peer.event_ids()).items() if n > 1}
+    assert twice <= late, "only the events of the answer that came too late arrive twice (at least once)"
+    assert all(n <= 2 for n in Counter(peer.event_ids()).values())
     names = [e["data"]["baseData"]["name"] for e in peer.events()]
     assert "scheduledevent.scheduled" in names and "scheduledevent.started" in names
     assert {r.status for r in peer.requests} >= {503, 429, 200}
+    assert "did not answer within 2s" in agent.logs()
+
+
+def test_agent_retries_partial_failures_alone_and_dead_letters_a_refused_event(tmp_path):
+    """206: the accepted events once, the retryable failures again alone, the refused one to dead letters."""
+    failed_once: set[str] = set()
+
+    def item_rule(envelope):
+        props = envelope["data"]["baseData"]["properties"]
+        if props.get("EventType") == "Freeze":
+            return 400  # e.g. a field the service will never take: refused for good
+        if props.get("EventType") == "Redeploy" and props["id"] not in failed_once:
+            failed_once.add(props["id"])
+            return 500  # a transient failure of this item only
+        return None
+
+    with Emulator(vms=["web-0"]) as emu, AppInsightsPeer(tmp_path) as peer:
+        peer.item_rule = item_rule
+        env = {**QUIET_SDK_ENV, "TEST_AI_CONN": peer.connection_string}
+        sinks = (f'[[sinks]]\ntype = "appinsights"\nname = "ai"\nconnection_string_env = "TEST_AI_CONN"\n'
+                 f'ca_file = "{peer.ca_file}"\ntimeout = "5s"\n'
+                 f'[[sinks]]\ntype = "file"\nname = "file"\npath = "{tmp_path / "out.jsonl"}"\n')
+        config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state", sinks=sinks,
+                              extra='[delivery]\nretry_initial = "100ms"\nretry_max = "300ms"\n')
+        agent = AgentProcess(config, tmp_path / "agent.log", env=env)
+        try:
+            kinds = {"Reboot": emu.schedule(type="Reboot", resources=["web-0"], start_after=600),
+                     "Freeze": emu.schedule(type="Freeze", resources=["web-0"], start_after=600),
+                     "Redeploy": emu.schedule(type="Redeploy", resources=["web-0"], start_after=600)}
+            wait_until(lambda: {r.get("subject") for r in read_jsonl(tmp_path / "out.jsonl")} >= set(kinds.values()),
+                       60, "the three scheduled records in the file sink")
+            records = {r["id"]: r for r in read_jsonl(tmp_path / "out.jsonl")}
+            refused = {i for i, r in records.items() if r.get("subject") == kinds["Freeze"]}
+            wait_until(lambda: set(peer.event_ids()) >= set(records) - refused, 60, "every other record accepted")
+            wait_until(lambda: {d["record"]["id"] for d in dead_letters(config, "ai", env)} >= refused, 30,
+                       "the refused record in dead letters")
+        finally:
+            assert agent.terminate() == 0
+    dead = dead_letters(config, "ai", env)
+    assert {d["record"]["id"] for d in dead} == refused
+    assert all(d["reason"] == "item_400" for d in dead)
+    accepted = Counter(peer.event_ids())
+    assert all(n == 1 for n in accepted.values()), "accepted events never go again"
+    assert not refused & set(accepted)
+    sent = Counter(peer.sent_ids())
+    assert all(sent[i] == 1 for i in refused), "a refused event is not retried"
+    assert failed_once and all(sent[i] == 2 for i in failed_once), "a failed item goes once more"

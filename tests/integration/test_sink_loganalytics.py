@@ -14,8 +14,10 @@ from forwarder.emulator import Emulator
 from forwarder.sinkapi import Ok, Record, Reject, Retry, SinkContext
 from sinks.la_schema import to_row
 from sinks.loganalytics import LogAnalyticsSink
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
-from tests.peers.logs_ingestion import PASS, LogsIngestionPeer, Reply, emulator_tokens
+from collections import Counter
+
+from tests.agent import AgentProcess, dead_letters, read_jsonl, wait_until, write_config
+from tests.peers.logs_ingestion import PASS, LogsIngestionPeer, Reply, emulator_tokens, error_body
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -306,3 +308,83 @@ def test_agent_keeps_records_through_a_403_and_delivers_them_once_in_order(peer,
     assert ids == [r["id"] for r in delivered]  # in order, the same records as the file sink
     assert peer.rows == [to_row(r) for r in delivered]
     assert emu.stats()["token_requests"] >= 1
+
+
+def _agent(peer: LogsIngestionPeer, emu: Emulator, tmp_path: Path, url: str, timeout: str = "5s") -> tuple[Path, AgentProcess]:
+    sinks = (
+        f'[[sinks]]\ntype = "file"\nname = "file"\npath = "{tmp_path / "out.jsonl"}"\n'
+        f'[[sinks]]\ntype = "loganalytics"\nname = "la"\nendpoint = "{url}"\nrule_id = "{peer.rule_id}"\n'
+        f'ca_file = "{peer.ca_file}"\ntimeout = "{timeout}"\n'
+    )
+    config = write_config(tmp_path / "config.toml", emu.url, tmp_path / "state", sinks=sinks,
+                          extra='[delivery]\nretry_initial = "100ms"\nretry_max = "300ms"\n')
+    return config, AgentProcess(config, tmp_path / "agent.log", env={"AZURE_POD_IDENTITY_AUTHORITY_HOST": emu.url})
+
+
+def test_agent_rides_out_a_dead_a_slow_and_a_throttling_service(emu, tmp_path):
+    """Down at start, then an answer that comes too late, a 503 and a 429 with Retry-After: all arrive, in order."""
+    peer = LogsIngestionPeer(token_validator=emulator_tokens(emu)).start()
+    port, url = peer.port, peer.url
+    peer.stop()
+    config, agent = _agent(peer, emu, tmp_path, url, timeout="2s")
+    try:
+        for _ in range(3):
+            emu.schedule(type="Reboot")
+        wait_until(lambda: sum(r["type"] == "scheduledevent.scheduled" for r in read_jsonl(tmp_path / "out.jsonl")) >= 3,
+                   30, "three scheduled records in the file sink")
+        wait_until(lambda: "connection_error" in agent.logs(), 30, "the sink failing to connect")
+        peer.start(port)
+        peer.queue(Reply(status=0, delay=4), Reply(503), Reply(429, {"Retry-After": "1"}, error_body("TooManyRequests", "slow down")))
+        expected = [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")]
+        wait_until(lambda: {r["RecordId"] for r in peer.rows} >= set(expected) and any(u.delayed for u in peer.uploads),
+                   60, "every record in Log Analytics")
+        assert agent.terminate() == 0
+    finally:
+        if agent.alive():
+            agent.kill()
+        peer.stop()
+    statuses = [u.status for u in peer.uploads]
+    assert 503 in statuses and 429 in statuses
+    logs = agent.logs()
+    assert "retry after 1s" in logs and "timeout" in logs
+    late = {row["RecordId"] for u in peer.uploads if u.delayed for row in u.rows}
+    counts = Counter(r["RecordId"] for r in peer.rows)
+    assert {i for i, n in counts.items() if n > 1} <= late, "only the rows of the answer that came too late arrive twice"
+    first_seen = list(dict.fromkeys(r["RecordId"] for r in peer.rows))
+    assert first_seen == [r["id"] for r in read_jsonl(tmp_path / "out.jsonl")], "in order"
+
+
+def test_agent_splits_on_413_resends_only_failed_rows_and_dead_letters_a_permanent_400(emu, tmp_path):
+    """Several records in one batch: 413 halves it, a 503 after a chunk got in resends only the rest,
+    and the row the service refuses (400) is dead-lettered once, not retried until max_age."""
+    with LogsIngestionPeer(token_validator=emulator_tokens(emu)) as peer:
+        peer.max_body = 720  # a gzip'd row is ~650 bytes, two ~700, four ~820: a batch of several gets 413
+        peer.row_rule = lambda row: "column Description is not valid" if row.get("EventType") == "Freeze" else None
+        refused_subject = emu.schedule(type="Freeze")
+        for kind in ("Reboot", "Redeploy", "Reboot"):
+            emu.schedule(type=kind)
+        peer.queue(PASS, Reply(503))  # the first chunk in, the next one fails
+        config, agent = _agent(peer, emu, tmp_path, peer.url)
+        try:
+            wait_until(lambda: sum(r["type"] == "scheduledevent.scheduled" for r in read_jsonl(tmp_path / "out.jsonl")) >= 4,
+                       30, "four scheduled records in the file sink")
+            records = read_jsonl(tmp_path / "out.jsonl")
+            refused = {r["id"] for r in records if r.get("subject") == refused_subject}
+            wait_until(lambda: {r["RecordId"] for r in peer.rows} >= {r["id"] for r in records} - refused,
+                       60, "every other record in Log Analytics")
+            wait_until(lambda: {d["record"]["id"] for d in dead_letters(config, "la")} >= refused, 30,
+                       "the refused record in dead letters")
+            assert agent.terminate() == 0
+        finally:
+            if agent.alive():
+                agent.kill()
+    statuses = [u.status for u in peer.uploads]
+    assert 413 in statuses and 503 in statuses and 400 in statuses
+    dead = dead_letters(config, "la")
+    assert [d["record"]["id"] for d in dead] == sorted(refused) and dead[0]["reason"] == "http_400"
+    assert "column Description is not valid" in dead[0]["detail"]
+    ids = [r["RecordId"] for r in peer.rows]
+    assert len(ids) == len(set(ids)), "once each: the rows that got in before the 503 were not sent again"
+    assert ids == [r["id"] for r in read_jsonl(tmp_path / "out.jsonl") if r["id"] not in refused], "in order"
+    tries = sum(1 for u in peer.uploads if u.status == 400)
+    assert tries <= 2, "the refused row is sent in its batch and once alone, then dead-lettered"

@@ -386,3 +386,153 @@ def test_timestamp_comes_from_the_injected_clock(receiver, tmp_path, secret):
     (req,) = receiver.wait_for(1)
     assert req.header("webhook-timestamp") == "1614265330"
     assert verify(parse_secret(secret), req.headers, req.body, now=1_614_265_331) == "rec-1"
+
+
+# -- CloudEvents HTTP binding: binary mode, checked by the CloudEvents SDK as the reference ---------
+def ce_record(n: int) -> Record:
+    return Record.from_dict({
+        "specversion": "1.0", "id": f"rec-{n}", "type": "scheduledevent.scheduled", "source": "/subscriptions/s/vm/web 0",
+        "subject": f"EV-{n} «é»", "time": "2026-11-22T07:58:00.123Z", "datacontenttype": "application/json",
+        "sequence": f"{n:020d}", "eventkey": f"EV-{n}:scheduled", "data": {"EventId": f"EV-{n}", "Text": "100% \"é\""},
+    })
+
+
+def decoded(request) -> dict:
+    """What a CloudEvents SDK receiver makes of the request (binary or structured, by its headers)."""
+    from cloudevents.core.bindings.http import HTTPMessage, from_http_event
+
+    headers = {name: value for name, value in request.raw_headers}
+    event = from_http_event(HTTPMessage(headers, request.body))
+    attributes = dict(event.get_attributes())
+    attributes["time"] = attributes["time"].isoformat().replace("+00:00", "Z").replace(".123000", ".123")
+    return {**attributes, "data": event.get_data()}
+
+
+def test_binary_mode_puts_attributes_in_ce_headers_and_data_in_the_body(receiver, make_sink):
+    sink = make_sink(url=receiver.url, mode="binary")
+    rec = ce_record(1)
+    assert sink.send([rec]) == Ok()
+    (req,) = receiver.wait_for(1)
+    assert req.header("ce-id") == "rec-1" and req.header("ce-specversion") == "1.0"
+    assert req.header("ce-subject") == "EV-1%20%C2%AB%C3%A9%C2%BB"  # percent-encoded as the binding says
+    assert req.header("content-type") == "application/json"
+    assert json.loads(req.body) == rec.to_dict()["data"]
+    assert decoded(req) == rec.to_dict()  # the reference SDK rebuilds exactly the record
+
+
+def test_structured_and_binary_mode_carry_the_same_event(receiver, make_sink):
+    rec = ce_record(2)
+    assert make_sink(url=receiver.url).send([rec]) == Ok()
+    assert make_sink(url=receiver.url, mode="binary").send([rec]) == Ok()
+    structured, binary = receiver.wait_for(2)
+    assert structured.header("ce-id") is None and binary.header("ce-id") == "rec-2"
+    assert decoded(structured) == decoded(binary) == rec.to_dict()
+
+
+def test_binary_mode_signs_the_body_it_sends(receiver, make_sink, secret):
+    sink = make_sink(url=receiver.url, mode="binary", secret_env="SEFWD_TEST_HOOK_SECRET")
+    assert sink.send([ce_record(3)]) == Ok()
+    (req,) = receiver.wait_for(1)
+    Webhook(secret).verify(req.body, {k: v for k, v in req.headers.items()})  # raises if not
+    assert req.header("webhook-id") == "rec-3"
+
+
+def test_binary_mode_needs_one_record_per_request():
+    problems = WebhookSink.check({"url": "http://127.0.0.1:1/", "mode": "binary", "batch_size": 2})
+    assert any("batch_size" in p for p in problems)
+    assert any("mode" in p for p in WebhookSink.check({"url": "http://127.0.0.1:1/", "mode": "bin"}))
+    assert any("ce- headers" in p for p in WebhookSink.check({"url": "http://127.0.0.1:1/", "mode": "binary",
+                                                               "headers": {"ce-source": "/forged"}}))
+
+
+# -- CloudEvents webhook abuse protection (OPTIONS handshake) -------------------------------------
+def handshaking(allowed_origin: str | None, rate: str | None = None):
+    """A receiver policy: OPTIONS answered per the CloudEvents webhook spec, deliveries 200."""
+    def policy(request):
+        if request.method != "OPTIONS":
+            return 200
+        headers = {}
+        if allowed_origin is not None:
+            headers["WebHook-Allowed-Origin"] = allowed_origin
+        if rate is not None:
+            headers["WebHook-Allowed-Rate"] = rate
+        return Reply(200, headers)
+    return policy
+
+
+def test_handshake_first_then_deliveries_and_only_once(receiver, make_sink):
+    receiver.set_policy(handshaking("sender.example.com"))
+    sink = make_sink(url=receiver.url, handshake=True, origin="sender.example.com")
+    assert sink.send([record(1)]) == Ok()
+    assert sink.send([record(2)]) == Ok()
+    methods = [r.method for r in receiver.wait_for(3)]
+    assert methods == ["OPTIONS", "POST", "POST"]
+    options = receiver.wait_for(3)[0]
+    assert options.header("webhook-request-origin") == "sender.example.com"
+
+
+@pytest.mark.parametrize("answer", [Reply(405), Reply(200, {"WebHook-Allowed-Origin": "someone-else.example.com"}),
+                                    Reply(200)])
+def test_a_receiver_that_does_not_allow_us_gets_nothing_and_records_wait(receiver, make_sink, answer, caplog):
+    receiver.set_policy(lambda request: answer if request.method == "OPTIONS" else 200)
+    sink = make_sink(url=receiver.url, handshake=True, origin="sender.example.com")
+    with caplog.at_level(logging.ERROR, logger="sinks.webhook"):
+        assert sink.send([record(1)]) == Retry(reason="not_allowed")
+    assert [r.method for r in receiver.wait_for(1)] == ["OPTIONS"]
+    assert "does not allow deliveries" in caplog.text
+    receiver.set_policy(handshaking("*"))  # the receiver's owner adds us
+    assert sink.send([record(1)]) == Ok()
+    assert [r.method for r in receiver.wait_for(3)] == ["OPTIONS", "OPTIONS", "POST"]
+
+
+def test_the_allowed_rate_spaces_the_requests(receiver, make_sink):
+    receiver.set_policy(handshaking("*", rate="60"))  # one a second
+    sink = make_sink(url=receiver.url, handshake=True)
+    assert sink.send([record(n) for n in range(1, 4)]) == Ok()
+    posts = [r for r in receiver.wait_for(4) if r.method == "POST"]
+    # Three requests one second apart span at least 2 s at the sender; the first one's transit
+    # (well under 0.5 s even on a loaded machine) is all that can shorten the span seen here.
+    assert len(posts) == 3 and posts[-1].received_at - posts[0].received_at >= 1.5
+
+
+def test_a_withdrawn_permission_is_asked_for_again(receiver, make_sink):
+    receiver.set_policy(handshaking("*"))
+    sink = make_sink(url=receiver.url, handshake=True)
+    assert sink.send([record(1)]) == Ok()
+    receiver.set_policy(lambda request: Reply(200, {"WebHook-Allowed-Origin": "*"}) if request.method == "OPTIONS" else 403)
+    assert isinstance(sink.send([record(2)]), Reject)
+    receiver.set_policy(handshaking("*"))
+    assert sink.send([record(3)]) == Ok()
+    receiver.wait_for(5)
+    assert [r.method for r in receiver.requests] == ["OPTIONS", "POST", "POST", "OPTIONS", "POST"]
+
+
+def test_agent_handshakes_then_delivers_binary_events_a_cloudevents_receiver_understands(receiver, tmp_path):
+    from forwarder.emulator import Emulator
+    from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+
+    receiver.set_policy(handshaking("vm-0.example.com"))
+    with Emulator(vms=["vm-0"]) as emu:
+        sinks = (f'[[sinks]]\ntype = "file"\nname = "file"\npath = "{tmp_path / "out.jsonl"}"\n'
+                 f'[[sinks]]\ntype = "webhook"\nname = "hook"\nurl = "{receiver.url}"\nmode = "binary"\n'
+                 'handshake = true\norigin = "vm-0.example.com"\n')
+        config = write_config(tmp_path / "config.toml", emu.url, tmp_path / "state", sinks=sinks)
+        agent = AgentProcess(config, tmp_path / "agent.log")
+        try:
+            emu.schedule(type="Reboot")
+            wait_until(lambda: any(r["type"] == "scheduledevent.scheduled" for r in read_jsonl(tmp_path / "out.jsonl")),
+                       30, "the scheduled record in the file sink")
+            expected = read_jsonl(tmp_path / "out.jsonl")
+            wait_until(lambda: len([r for r in receiver.requests if r.method == "POST"]) >= len(expected), 30,
+                       "every record at the receiver")
+            assert agent.terminate() == 0
+        finally:
+            if agent.alive():
+                agent.kill()
+    requests_ = receiver.requests
+    expected = read_jsonl(tmp_path / "out.jsonl")
+    assert requests_[0].method == "OPTIONS" and sum(r.method == "OPTIONS" for r in requests_) == 1
+    got = [decoded(r) for r in requests_ if r.method == "POST"]
+    assert [e["id"] for e in got] == [r["id"] for r in expected]
+    scheduled = next(e for e in got if e["type"] == "scheduledevent.scheduled")
+    assert scheduled["data"] == next(r for r in expected if r["type"] == "scheduledevent.scheduled")["data"]

@@ -134,6 +134,26 @@ def test_metrics_exported_to_azure_monitor(tmp_path):
     assert list(temp_dir.iterdir()) == []  # the SDK's offline storage stays out of the temp dir
 
 
+def test_metrics_exported_with_a_managed_identity_token(tmp_path):
+    """credential = "managed_identity": the exporter gets Entra ID tokens from IMDS (the emulator here)."""
+    with AppInsightsPeer(tmp_path, require_bearer=True) as peer, Emulator(vms=["web-0"]) as emu:
+        env = {**QUIET_SDK_ENV, "REQUESTS_CA_BUNDLE": str(peer.ca_file), "AZURE_POD_IDENTITY_AUTHORITY_HOST": emu.url,
+               "TEST_TELEMETRY_CONN": f"InstrumentationKey={IKEY};IngestionEndpoint=https://127.0.0.1:{peer.port}/"}
+        config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state",
+                              extra='[telemetry]\nconnection_string_env = "TEST_TELEMETRY_CONN"\n'
+                                    'credential = "managed_identity"\nexport_interval = "1s"\n')
+        agent = AgentProcess(config, tmp_path / "agent.log", env=env)
+        try:
+            requests = wait_until(lambda: [r for r in peer.wait_for_requests(1, timeout=30) if r.status == 200], 30,
+                                  "a metrics export the peer accepted")
+        finally:
+            assert agent.terminate() == 0
+        assert emu.stats()["token_requests"] >= 1
+    assert requests[0].headers["authorization"].startswith("Bearer emulator-token.web-0.")
+    assert any(e["data"]["baseType"] == "MetricData" for r in requests for e in r.envelopes)
+    assert all(r.status != 401 for r in peer.requests), "no export went without a token"
+
+
 def test_health_report_journal_and_window():
     now = [100.0]
     h = Health(unhealthy_after=5.0, clock=lambda: now[0])
@@ -181,6 +201,9 @@ def test_listen_defaults_to_loopback(listen, expected):
     ({}, {"SEFWD_TELEMETRY_EXPORT_INTERVAL": "100ms"}, "SEFWD_TELEMETRY_EXPORT_INTERVAL"),
     ({"connection_string_env": "A", "connection_string_file": "/x"}, {}, "only one of"),
     ({"lisen": "9464"}, {}, "did you mean 'listen'"),
+    ({"connection_string_env": "A", "credential": "password"}, {"A": "x"}, 'must be "managed_identity"'),
+    ({"credential": "managed_identity"}, {}, "credential is for the Azure Monitor export"),
+    ({"connection_string_env": "A", "client_id": "abc"}, {"A": "x"}, "client_id needs credential"),
 ])
 def test_config_problems(section, env, fragment):
     with pytest.raises(ConfigError) as caught:

@@ -1,10 +1,17 @@
 """An Application Insights ingestion peer (``POST /v2.1/track``) over HTTPS on loopback.
 
-It answers like the Breeze endpoint (``{"itemsReceived", "itemsAccepted", "errors"}``), stores
-every envelope it accepted, and can be scripted to fail: ``peer.queue(500, 429, ...)`` answers the
-next requests with those statuses (``Retry-After`` via ``Answer(429, retry_after=2)``), a 206 with
-per-item errors via ``Answer(206, reject=[0])``, or a slow answer via ``Answer(200, delay=s)``.
-With ``require_bearer=True`` a request without ``Authorization: Bearer ...`` gets 401.
+It answers like the ingestion endpoint's published protocol (``{"itemsReceived", "itemsAccepted",
+"errors": [{"index", "statusCode", "message"}]}``): 200 when every item is accepted, 206 when some
+are, 400 when every item is refused as invalid. Each envelope is validated (name, time, iKey, data
+with baseType; a custom event needs a name), and ``item_rule(envelope)`` may answer an item with a
+status of its own (400 refused for good, 500/429 retryable), so a test can make one record fail
+wherever it lands in a batch. Every accepted envelope is stored.
+
+Scripting: ``peer.queue(500, 429, ...)`` answers the next requests with those statuses
+(``Retry-After`` via ``Answer(429, retry_after=2)``), a 206 with per-item errors via
+``Answer(206, reject=[0])`` (500, retryable) or ``refuse=[1]`` (400, for good), a slow answer via
+``Answer(200, delay=s)``; a body over ``max_body`` bytes on the wire gets 413. With
+``require_bearer=True`` a request without ``Authorization: Bearer ...`` gets 401.
 
 TLS uses a throw-away CA made by trustme: ``peer.ca_file`` is its PEM for the client's trust.
 
@@ -23,6 +30,7 @@ import ssl
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -43,6 +51,7 @@ class Answer:
     status: int = 200
     retry_after: float | None = None
     reject: tuple[int, ...] | list[int] = ()  # for 206: item indexes answered 500 (retryable)
+    refuse: tuple[int, ...] | list[int] = ()  # for 206: item indexes answered 400 (never accepted)
     delay: float = 0.0
 
 
@@ -55,7 +64,26 @@ class TrackRequest:
     envelopes: list[dict[str, Any]]
     status: int
     gzipped: bool
+    delayed: bool = False  # answered late (the client may have given up: the items still count)
     received_at: float = field(default_factory=time.monotonic)
+
+
+def _invalid(envelope: Any) -> str | None:
+    """Why the service would refuse this envelope (400), or None."""
+    if not isinstance(envelope, dict):
+        return "109: the item is not an object"
+    for name in ("name", "time", "iKey"):
+        if not isinstance(envelope.get(name), str) or not envelope[name]:
+            return f"109: Field '{name}' on type 'Envelope' is required but missing or empty"
+    if envelope["iKey"] != IKEY:
+        return "400: Invalid instrumentation key"
+    data = envelope.get("data")
+    if not isinstance(data, dict) or not data.get("baseType"):
+        return "109: Field 'baseType' on type 'Data' is required but missing or empty"
+    base = data.get("baseData")
+    if data["baseType"] == "EventData" and (not isinstance(base, dict) or not base.get("name")):
+        return "109: Field 'name' on type 'EventData' is required but missing or empty"
+    return None
 
 
 def _parse_body(raw: bytes) -> list[dict[str, Any]]:
@@ -80,8 +108,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json; charset=utf-8")
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
-        self.wfile.write(payload)
-        self.wfile.flush()
+        try:
+            self.wfile.write(payload)
+            self.wfile.flush()
+        except OSError:  # the client gave up waiting (a scripted slow answer)
+            self.close_connection = True
 
     def do_POST(self) -> None:  # noqa: N802 - http.server naming
         peer = self.server.peer
@@ -95,8 +126,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             envelopes = _parse_body(gzip.decompress(raw) if gzipped else raw)
         except (ValueError, OSError) as exc:
-            self._reply(400, {"itemsReceived": 0, "itemsAccepted": 0,
-                              "errors": [{"index": 0, "statusCode": 400, "message": f"bad body: {exc}"}]})
+            self._reply(400, {"itemsReceived": 0, "itemsAccepted": 0, "errors": [], "message": f"bad body: {exc}"})
             return
         answer = peer._next_answer()
         if peer.require_bearer and not headers.get("authorization", "").startswith("Bearer "):
@@ -104,22 +134,39 @@ class _Handler(BaseHTTPRequestHandler):
         if answer.delay and peer._stopping.wait(answer.delay):
             self.close_connection = True
             return
-        request = TrackRequest(self.path, headers, envelopes, answer.status, gzipped)
+        request = TrackRequest(self.path, headers, envelopes, answer.status, gzipped, delayed=answer.delay > 0)
         n = len(envelopes)
         extra = {"Retry-After": f"{answer.retry_after:g}"} if answer.retry_after is not None else None
-        if answer.status == 200:
-            peer._store(request, envelopes)
-            self._reply(200, {"itemsReceived": n, "itemsAccepted": n, "errors": []}, extra)
-        elif answer.status == 206:
-            rejected = set(answer.reject)
-            peer._store(request, [e for i, e in enumerate(envelopes) if i not in rejected])
-            errors = [{"index": i, "statusCode": 500, "message": "scripted item failure"} for i in sorted(rejected)]
-            self._reply(206, {"itemsReceived": n, "itemsAccepted": n - len(errors), "errors": errors}, extra)
-        else:
+        if answer.status in (200, 206) and peer.max_body is not None and length > peer.max_body:
+            request.status = 413
             peer._store(request, [])
+            self._reply(413, {"itemsReceived": n, "itemsAccepted": 0,
+                              "errors": [{"index": i, "statusCode": 413, "message": "Payload too large"} for i in range(n)]})
+            return
+        if answer.status not in (200, 206):
+            peer._store(request, [])
+            # Like the service: each item carries the request's status.
             self._reply(answer.status, {"itemsReceived": n, "itemsAccepted": 0,
-                                        "errors": [{"index": 0, "statusCode": answer.status, "message": "scripted"}]},
+                                        "errors": [{"index": i, "statusCode": answer.status, "message": "scripted"}
+                                                   for i in range(n)]},
                         extra)
+            return
+        errors = []
+        for i, envelope in enumerate(envelopes):
+            why = _invalid(envelope)
+            status = 400 if why else (peer.item_rule(envelope) if peer.item_rule else None)
+            if i in answer.refuse:
+                status, why = 400, "scripted item refusal"
+            elif i in answer.reject:
+                status, why = 500, "scripted item failure"
+            if status is not None and status != 200:
+                errors.append({"index": i, "statusCode": status, "message": why or f"item answered {status}"})
+        failed = {e["index"] for e in errors}
+        accepted = [e for i, e in enumerate(envelopes) if i not in failed]
+        status = 200 if not errors else 400 if not accepted and all(e["statusCode"] == 400 for e in errors) else 206
+        request.status = status
+        peer._store(request, accepted)
+        self._reply(status, {"itemsReceived": n, "itemsAccepted": len(accepted), "errors": errors}, extra)
 
 
 class _Server(ThreadingHTTPServer):
@@ -134,6 +181,8 @@ class AppInsightsPeer(ServerPeer):
     def __init__(self, workdir: Path, *, require_bearer: bool = False) -> None:
         self.workdir = Path(workdir)
         self.require_bearer = require_bearer
+        self.max_body: int | None = None  # bytes on the wire; larger requests get 413
+        self.item_rule: Callable[[dict[str, Any]], int | None] | None = None
         self._lock = threading.Condition()
         self._answers: deque[Answer] = deque()
         self.requests: list[TrackRequest] = []
@@ -187,6 +236,16 @@ class AppInsightsPeer(ServerPeer):
         """Accepted custom-event envelopes (``Microsoft.ApplicationInsights.Event``)."""
         with self._lock:
             return [e for e in self.envelopes if e.get("data", {}).get("baseType") == "EventData"]
+
+    def event_ids(self) -> list[str]:
+        """The record id (property ``id``) of every accepted custom event, in arrival order."""
+        return [e["data"]["baseData"]["properties"]["id"] for e in self.events()]
+
+    def sent_ids(self) -> list[str]:
+        """The record id of every custom event in every request, accepted or not."""
+        with self._lock:
+            return [e["data"]["baseData"]["properties"]["id"] for r in self.requests for e in r.envelopes
+                    if isinstance(e, dict) and e.get("data", {}).get("baseType") == "EventData"]
 
     def wait_for_requests(self, count: int, timeout: float = 10.0) -> list[TrackRequest]:
         deadline = time.monotonic() + timeout

@@ -10,7 +10,8 @@ Each ``POST /dataCollectionRules/{rule}/streams/{stream}?api-version=2023-01-01`
 the service's order: path (404 for an unknown rule or stream, 405 for another method),
 api-version (400), ``Authorization: Bearer`` (401 when missing, 403 when the token is not one the
 validator accepts, 403 when ``authorized`` is False: the identity lacks "Monitoring Metrics
-Publisher"), then scripted answers (``queue``: 429 + Retry-After, 500, slow...), then the body.
+Publisher"), then scripted answers (``queue``: 429 + Retry-After, 500, slow...), then the body
+(``row_rule`` can refuse the whole request with 400 for a row the service would never take).
 
 Size limit: the service says "Maximum allowed content length: 1048576 bytes (1 MB)" and users see
 gzip lower the chance of a 413, so the limit is on the bytes on the wire (the gzip body when
@@ -75,6 +76,7 @@ class Upload:
     status: int
     rows: tuple[dict[str, Any], ...] = ()
     received_at: float = 0.0
+    delayed: bool = False  # answered late (the client may have given up; accepted rows still count)
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
@@ -148,7 +150,7 @@ class _Handler(BaseHTTPRequestHandler):
         peer._record(Upload(
             method=self.command, path=parts.path, query=parse_qs(parts.query, keep_blank_values=True),
             headers=headers, wire_bytes=len(wire), body=verdict.decoded, status=verdict.status,
-            rows=tuple(verdict.rows), received_at=time.monotonic(),
+            rows=tuple(verdict.rows), received_at=time.monotonic(), delayed=verdict.delay > 0,
         ))
         if verdict.delay > 0 and peer._released.wait(verdict.delay):
             self.close_connection = True
@@ -197,6 +199,8 @@ class LogsIngestionPeer(ServerPeer):
         self.token_validator = token_validator or (lambda token: token == "valid-token")
         self.max_body = max_body
         self.authorized = True  # False: every valid token gets 403 (role not assigned)
+        # Says why the service would refuse a row (the whole request gets 400), or None.
+        self.row_rule: Callable[[dict[str, Any]], str | None] | None = None
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._queue: deque[Reply] = deque()
@@ -214,8 +218,10 @@ class LogsIngestionPeer(ServerPeer):
         self._server: _Server | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def start(self) -> LogsIngestionPeer:
-        server = _Server(("127.0.0.1", 0), _Handler)
+    def start(self, port: int = 0) -> LogsIngestionPeer:
+        """Listen on ``port`` (0: any free one; the old port to come back after ``stop``)."""
+        self._released.clear()
+        server = _Server(("127.0.0.1", port), _Handler)
         server.peer = self
         self._server = server
         threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
@@ -354,12 +360,16 @@ class LogsIngestionPeer(ServerPeer):
             return _Verdict(400, error_body("InvalidPayload", "The body is not valid JSON"), decoded=body)
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             return _Verdict(400, error_body("InvalidPayload", "The body must be a JSON array of objects"), decoded=body)
+        for row in rows if self.row_rule is not None else ():
+            why = self.row_rule(row)
+            if why:
+                return _Verdict(400, error_body("InvalidPayload", why), decoded=body)
         return _Verdict(204, rows=rows, decoded=body, delay=scripted.delay if scripted is not None else 0.0)
 
     def _record(self, upload: Upload) -> None:
         with self._arrived:
             self._uploads.append(upload)
-            if upload.status == 204:
+            if 200 <= upload.status < 300:
                 self._rows.extend(upload.rows)
             self._arrived.notify_all()
 

@@ -131,7 +131,7 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             self.close_connection = True  # the client gave up (timeout): nothing to tell it
 
-    do_POST = do_PUT = do_GET = do_PATCH = do_DELETE = _handle
+    do_POST = do_PUT = do_GET = do_PATCH = do_DELETE = do_OPTIONS = _handle
 
 
 class _Server(ThreadingHTTPServer):
