@@ -414,6 +414,8 @@ class EventHubsSink:
                 return ready
             # No stop check here: the agent drains its sinks after stop is set.
             for event_batch in ready:
+                if sender.abandoned:  # the sink gave up on this call and reported Retry: send nothing more
+                    return Retry(reason="timeout")
                 started = time.monotonic()
                 producer.send_batch(event_batch, timeout=self.timeout)
                 job.progress = time.monotonic()
@@ -479,6 +481,18 @@ class EventHubsSink:
         if isinstance(exc, EventDataError):
             log.error("sink %r: Event Hubs refused the events: %s", self.name, text)
             return Reject(reason="event_invalid", detail=text)
+        if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+            log.error("sink %r: the TLS certificate of Event Hubs (%s) could not be verified: %s. Records are kept "
+                      "and retried. Behind a TLS-inspecting proxy set ca_file to the proxy's CA bundle.",
+                      self.name, self._where, text)
+            return Retry(reason="certificate_error")
+        if "via proxy status: 407" in text:
+            log.error("sink %r: the HTTP proxy refused the credentials (407); records are kept and retried. "
+                      "Check http_proxy.credentials_env / credentials_file (user:password).", self.name)
+            return Retry(reason="proxy_auth_failed")
+        if "via proxy" in text:
+            log.warning("sink %r: the HTTP proxy refused the tunnel to Event Hubs (%s): %s", self.name, self._where, text)
+            return Retry(reason="proxy_error")
         if isinstance(exc, OperationTimeoutError):
             log.warning("sink %r: Event Hubs (%s) did not confirm the send within %gs; will retry",
                         self.name, self._where, self.timeout)

@@ -71,6 +71,7 @@ const rhea = require('rhea');
 const fs = require('fs');
 const http = require('http');
 const https = require('https');
+const net = require('net');
 const { WebSocketServer } = require('ws');
 
 const BATCH_FORMAT = 0x80013700;
@@ -224,6 +225,7 @@ function onHubTransfer(context) {
         }
         stats.transfer_sizes.push(size);
         if (fault) {  // stored, but the client never learns it: it must send again
+            for (const e of events) if (e.transfer === stats.transfers) e.unsettled = true;
             disconnect(context.connection, fault);
             return;
         }
@@ -320,9 +322,7 @@ function disconnect(connection, spec) {
     const how = spec.how || 'close';
     stats.disconnects += 1;
     if (how === 'drop') {
-        const socket = connection.socket;
-        if (socket && typeof socket.destroy === 'function') socket.destroy();
-        else if (socket && typeof socket.end === 'function') socket.end();
+        dropSocket(connection);
         return;
     }
     const error = {
@@ -332,11 +332,24 @@ function disconnect(connection, spec) {
     if (how === 'detach') {
         connection.each_link((link) => {
             const address = link.is_receiver() && link.target ? link.target.address || '' : '$';
-            if (!address.startsWith('$') && link.is_open()) link.close(error);
+            if (!address.startsWith('$') && link.is_open()) {
+                link.detached_by_peer = true;
+                link.close(error);
+            }
         });
     } else {
         connection.close(error);
+        // An idle client reads nothing and never answers the close: end the TCP connection anyway.
+        setTimeout(() => dropSocket(connection), 500);
     }
+}
+
+function dropSocket(connection) {
+    connection.socket_ended = true;
+    const socket = connection.socket;
+    const ws = socket && typeof socket.get_id_string === 'function' ? websockets.get(socket.get_id_string()) : null;
+    if (ws) ws.terminate();
+    else if (socket && typeof socket.destroy === 'function') socket.destroy();
 }
 container.on('error', () => {});
 
@@ -366,6 +379,8 @@ container.on('sender_open', (context) => {
 });
 
 container.on('message', (context) => {
+    // A transfer that crossed our detach on the wire: the link is gone, the message is not taken.
+    if (context.receiver.detached_by_peer) return;
     if (context.receiver.refused) {
         // We refused this link (a client may re-attach it under the same name): nothing it sends is taken.
         context.delivery.update(true, rhea.message.rejected({ error: context.receiver.refused }).described());
@@ -379,6 +394,7 @@ container.on('message', (context) => {
 
 // --- listeners that can be taken down and brought back on the same ports -------------------
 const sockets = new Set();
+const websockets = new Map();
 const ports = { amqp: parseInt(arg('port', '0'), 10), amqps: 0, wss: 0 };
 let servers = [];
 
@@ -387,7 +403,7 @@ function track(socket, kind) {
     stats.tcp_connections += 1;
     if (kind === 'amqps') stats.tls_connections += 1;
     socket.on('close', () => sockets.delete(socket));
-    if (faults.silent) {
+    if (faults.silent && kind === 'amqp') {
         // A hung peer: swallow everything (the TLS handshake too), answer nothing.
         socket.removeAllListeners('data');
         socket.pause();
@@ -396,10 +412,27 @@ function track(socket, kind) {
 
 const LISTEN_OPTIONS = { max_frame_size: MAX_FRAME_SIZE, channel_max: 255, idle_time_out: 0, container_id: 'sefwd-eventhubs-peer' };
 
+// TLS listeners get a plain TCP front that hands each socket to the TLS server, or (fault "silent")
+// holds it unanswered: a TLS server starts its handshake itself, before any listener could stop it.
+function tlsFront(kind, inner, done) {
+    const front = net.createServer((socket) => {
+        track(socket, kind);
+        if (!faults.silent) inner.emit('connection', socket);
+    });
+    front.inner = inner;
+    front.listen(ports[kind], HOST);
+    front.once('listening', () => { ports[kind] = front.address().port; done(null, front); });
+    front.once('error', (err) => done(err));
+}
+
 function startAmqp(kind, done) {
-    const options = Object.assign({ port: ports[kind], host: HOST }, LISTEN_OPTIONS);
-    if (kind === 'amqps') Object.assign(options, { transport: 'tls', key: fs.readFileSync(TLS_KEY), cert: fs.readFileSync(TLS_CERT) });
-    const server = container.listen(options);
+    if (kind === 'amqps') {
+        const inner = container.listen(Object.assign({ port: 0, host: HOST, transport: 'tls',
+            key: fs.readFileSync(TLS_KEY), cert: fs.readFileSync(TLS_CERT) }, LISTEN_OPTIONS));
+        inner.once('listening', () => tlsFront(kind, inner, done));
+        return;
+    }
+    const server = container.listen(Object.assign({ port: ports[kind], host: HOST }, LISTEN_OPTIONS));
     server.on('connection', (socket) => track(socket, kind));
     server.once('listening', () => { ports[kind] = server.address().port; done(null, server); });
     server.once('error', (err) => done(err));
@@ -407,7 +440,6 @@ function startAmqp(kind, done) {
 
 function startWss(done) {
     const server = https.createServer({ key: fs.readFileSync(TLS_KEY), cert: fs.readFileSync(TLS_CERT) });
-    server.on('connection', (socket) => track(socket, 'wss'));
     const wss = new WebSocketServer({
         server: server,
         // The service answers only on its WebSocket path and only the AMQP subprotocol.
@@ -421,12 +453,15 @@ function startWss(done) {
     });
     wss.on('connection', (ws) => {
         stats.ws_connections += 1;
+        // rhea's wrapper only closes gracefully; an id (its get_id_string) lets dropSocket terminate it.
+        const id = 'ws-' + stats.ws_connections;
+        Object.defineProperty(ws, 'url', { value: id });
+        websockets.set(id, ws);
+        ws.on('close', () => websockets.delete(id));
         container.websocket_accept(ws, LISTEN_OPTIONS);
     });
     server.closeAll = () => { for (const ws of wss.clients) ws.terminate(); wss.close(); };
-    server.listen(ports.wss, HOST);
-    server.once('listening', () => { ports.wss = server.address().port; done(null, server); });
-    server.once('error', (err) => done(err));
+    tlsFront('wss', server, done);
 }
 
 function listen(cb) {
@@ -452,7 +487,10 @@ function down(cb) {
     let left = closing.length;
     if (!left) return cb();
     for (const s of closing) {
-        if (s.closeAll) s.closeAll();
+        if (s.inner) {
+            if (s.inner.closeAll) s.inner.closeAll();
+            if (s.inner.listening) s.inner.close();
+        }
         s.close(() => { if (--left === 0) cb(); });
     }
     for (const socket of sockets) socket.destroy();
@@ -491,9 +529,10 @@ const control = http.createServer((req, res) => {
                     if (req.url === '/faults') { setFaults(body); return send(200, faults); }
                     if (req.url === '/reset') { events = []; resetStats(); clearFaults(); return send(200, {}); }
                     if (req.url === '/disconnect') {
-                        const n = amqpConnections.size;
-                        for (const c of Array.from(amqpConnections)) disconnect(c, body);
-                        return send(200, { connections: n });
+                        // Only connections still open both ways (rhea reports no disconnect for one it closed itself).
+                        const open = Array.from(amqpConnections).filter((c) => c.is_open() && !c.socket_ended);
+                        for (const c of open) disconnect(c, body);
+                        return send(200, { connections: open.length });
                     }
                     if (req.url === '/down') return down(() => send(200, { up: false }));
                     if (req.url === '/up') {
