@@ -8,6 +8,8 @@ over secure WebSocket, verified against the peer's test CA. Two shapes per trans
   many events at once); the dispatcher hands the sink up to ``max_batch`` records per send.
 - ``single``: one record every 20 ms, so every record is a send of its own (changes arriving one
   at a time); this is where a per-send cost (a thread, a handshake) shows.
+- ``single_sink``: the same records handed straight to ``sink.send`` (no journal, no dispatcher):
+  the sink's and the SDK's own share of ``single``.
 
 CPU is the benchmark process's (all threads, also those that ended: ``time.process_time``) from
 the first append until the dispatcher counted every record delivered, divided by the records. The
@@ -32,7 +34,7 @@ from benchmarks.common import MODES, RESULTS, ROOT, Sizes, goal, machine_info, r
 from forwarder.dispatcher import Dispatcher
 from forwarder.journal import Journal
 from forwarder.retry import Backoff
-from forwarder.sinkapi import Record, SinkContext
+from forwarder.sinkapi import Ok, Record, SinkContext
 
 sys.path.insert(0, str(ROOT))  # tests.peers is not an installed package
 from tests.peers.eventhubs_peer import EventHubsPeer  # noqa: E402
@@ -90,6 +92,11 @@ def _deliver(impl: str, transport: str, shape: str, count: int, peer: EventHubsP
         if shape == "burst":
             for i in range(0, count, 10):
                 dispatcher.append(records[i : i + 10])
+        elif shape == "single_sink":
+            for record in records:
+                if sink.send([record]) == Ok():
+                    worker.stats.delivered += 1  # counted like the dispatcher's deliveries
+                time.sleep(SINGLE_GAP_S)
         else:
             for record in records:
                 dispatcher.append([record])
@@ -124,7 +131,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
         os.environ[CONN_ENV] = peer.service_connection_string()
         for _ in range(rounds):
             for transport in ("amqp", "websocket"):
-                for shape, count in (("burst", burst), ("single", single)):
+                for shape, count in (("burst", burst), ("single", single), ("single_sink", single)):
                     for impl in ("before", "after"):
                         row = _deliver(impl, transport, shape, count, peer, work)
                         samples.setdefault(f"{impl}.{transport}.{shape}", []).append(row)

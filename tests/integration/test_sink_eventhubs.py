@@ -464,7 +464,7 @@ def test_the_cpu_benchmark_runs_both_implementations_side_by_side(tmp_path):
     cpu = res["figures"]["cpu_ms_per_record"]
     assert set(cpu) == {"before", "after"}
     assert all(set(cpu[impl]) == {"amqp", "websocket"} for impl in cpu)
-    assert all(cpu[i][t][s] > 0 for i in cpu for t in cpu[i] for s in ("burst", "single"))
+    assert all(cpu[i][t][s] > 0 for i in cpu for t in cpu[i] for s in ("burst", "single", "single_sink"))
     assert "cpu_ms_per_record" in proc.stdout
 
 

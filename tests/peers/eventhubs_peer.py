@@ -70,11 +70,12 @@ class EventHubsPeer:
 
     @staticmethod
     def available() -> str | None:
-        """Why the peer cannot run here (no node, no rhea), or None when it can."""
+        """Why the peer cannot run here (no node, no rhea or ws), or None when it can."""
         if shutil.which("node") is None:
             return "node is not installed"
-        if not (PEER_DIR / "node_modules" / "rhea").is_dir():
-            return "rhea is not installed: run npm ci --prefix tests/peers/eventhubs"
+        for package in ("rhea", "ws"):
+            if not (PEER_DIR / "node_modules" / package).is_dir():
+                return f"{package} is not installed: run sh tests/peers/eventhubs/install.sh (npm ci)"
         return None
 
     def _first_line(self, timeout: float) -> bytes:
