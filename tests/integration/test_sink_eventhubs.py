@@ -353,6 +353,21 @@ def test_websocket_through_an_http_proxy_with_credentials_from_a_file(tmp_path, 
     assert "s3cret" not in caplog.text
 
 
+def test_websocket_honours_https_proxy_from_the_environment(tmp_path, service, monkeypatch):
+    with ConnectProxy({f"{NAMESPACE_HOST}:443": ("127.0.0.1", service.wss_port)}, credentials=("u", "p")) as proxy:
+        for name in ("no_proxy", "NO_PROXY", "http_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("https_proxy", f"http://u:p@127.0.0.1:{proxy.port}")
+        monkeypatch.setenv("EH_SERVICE", service.service_connection_string())
+        sink = EventHubsSink({"connection_string_env": "EH_SERVICE", "ca_file": service.ca_file, "timeout": "5s",
+                              "transport": "websocket"}, SinkContext(name="eh", state_dir=tmp_path))
+        try:
+            assert sink.send([scheduled("E-1", 1)]) == Ok()
+        finally:
+            sink.close()
+        assert [(t.target, t.status) for t in proxy.tunnels] == [(f"{NAMESPACE_HOST}:443", 200)]
+
+
 def test_proxy_refusing_the_credentials_is_retried_with_a_clear_log(tmp_path, service, monkeypatch, caplog):
     with ConnectProxy({f"{NAMESPACE_HOST}:443": ("127.0.0.1", service.wss_port)}, credentials=("u", "right")) as proxy:
         monkeypatch.setenv("EH_SERVICE", service.service_connection_string())
