@@ -127,7 +127,8 @@ class EventHubsPeer:
                                        "delay_ms": 0, "silent": False, "on_transfer": None})
 
     def disconnect(self, how: str = "close", **error: str) -> int:
-        """Close every AMQP connection ("close"), detach its hub links ("detach") or reset it ("drop") now."""
+        """Close every AMQP connection ("close"), detach its hub links ("detach"), reset it ("drop") or stop
+        reading and answering it ("freeze") now; returns how many connections."""
         return int(self._call("POST", "/disconnect", {"how": how, **error})["connections"])
 
     def reset(self) -> None:

@@ -15,7 +15,8 @@
  *   POST /down | /up        stop / resume listening for AMQP (open connections are dropped)
  *   POST /disconnect        JSON {how, condition, description}: what the service does to idle clients,
  *                           now: "close" (connection close with an error), "detach" (hub links
- *                           closed with an error) or "drop" (TCP reset, no AMQP goodbye)
+ *                           closed with an error), "drop" (TCP reset, no AMQP goodbye) or
+ *                           "freeze" (nothing read or answered any more: a forgotten NAT flow)
  * Faults "on_transfer" (same "how" values) do the same when a hub transfer arrives, before it is
  * stored ("lose": the batch is lost in flight) or after ("keep": stored but never settled).
  * On start it prints one JSON line: {"amqp_port": N, "amqps_port": N|null, "wss_port": N|null,
@@ -323,6 +324,16 @@ function disconnect(connection, spec) {
     stats.disconnects += 1;
     if (how === 'drop') {
         dropSocket(connection);
+        return;
+    }
+    if (how === 'freeze') {
+        // A middlebox that forgot the flow (NAT or load-balancer idle timeout): no FIN, no RST,
+        // nothing read or answered any more on this connection.
+        const socket = connection.socket;
+        const ws = socket && typeof socket.get_id_string === 'function' ? websockets.get(socket.get_id_string()) : null;
+        if (ws) ws.pause();
+        else if (socket && typeof socket.pause === 'function') socket.pause();
+        connection.socket_ended = true;
         return;
     }
     const error = {
