@@ -323,6 +323,7 @@ function disconnect(connection, spec) {
     const how = spec.how || 'close';
     stats.disconnects += 1;
     if (how === 'drop') {
+        connection.ignored = true;  // frames already in our buffers die with the connection
         dropSocket(connection);
         return;
     }
@@ -334,6 +335,8 @@ function disconnect(connection, spec) {
         if (ws) ws.pause();
         else if (socket && typeof socket.pause === 'function') socket.pause();
         connection.socket_ended = true;
+        // ws hands over frames still buffered when the socket is finally destroyed: ignore them too.
+        connection.ignored = true;
         return;
     }
     const error = {
@@ -349,6 +352,7 @@ function disconnect(connection, spec) {
             }
         });
     } else {
+        connection.ignored = true;  // after our close, nothing more the client sends is taken
         connection.close(error);
         // An idle client reads nothing and never answers the close: end the TCP connection anyway.
         setTimeout(() => dropSocket(connection), 500);
@@ -391,7 +395,7 @@ container.on('sender_open', (context) => {
 
 container.on('message', (context) => {
     // A transfer that crossed our detach on the wire: the link is gone, the message is not taken.
-    if (context.receiver.detached_by_peer) return;
+    if (context.receiver.detached_by_peer || context.connection.ignored) return;
     if (context.receiver.refused) {
         // We refused this link (a client may re-attach it under the same name): nothing it sends is taken.
         context.delivery.update(true, rhea.message.rejected({ error: context.receiver.refused }).described());
