@@ -619,3 +619,46 @@ def test_agent_keeps_records_while_the_hub_is_down_and_delivers_each_once_in_ord
             [r["id"] for r in delivered if eventhubs.partition_key(r) == key]
     # Lifecycle records are keyed by the VM (its source, hashed when over 128 characters as here).
     assert {e["partition_key"] for e in got} == set(ids) | {eventhubs.partition_key(delivered[0])}
+
+
+def test_agent_over_websocket_through_a_proxy_survives_the_service_dropping_it(tmp_path, service):
+    """The real agent, configured as for Azure behind a corporate proxy (nested http_proxy table, TLS CA)."""
+    state = tmp_path / "state"
+    creds = tmp_path / "proxy-credentials"
+    creds.write_text("agent:pr0xy\n")
+    with Emulator(vms=["myVM"], rate_limit=None) as emu, \
+            ConnectProxy({f"{NAMESPACE_HOST}:443": ("127.0.0.1", service.wss_port)}, credentials=("agent", "pr0xy")) as proxy:
+        sinks = (
+            f'[[sinks]]\ntype = "file"\nname = "file"\npath = "{tmp_path / "out.jsonl"}"\n'
+            f'[[sinks]]\ntype = "eventhubs"\nname = "hub"\nconnection_string_env = "EH_CONN"\ntimeout = "3s"\n'
+            f'transport = "websocket"\nca_file = "{service.ca_file}"\n'
+            f'http_proxy = {{ host = "127.0.0.1", port = {proxy.port}, credentials_file = "{creds}" }}\n'
+        )
+        config = write_config(tmp_path / "config.toml", emu.url, state, sinks=sinks)
+        agent = AgentProcess(config, tmp_path / "agent.log", env={"EH_CONN": service.service_connection_string()})
+        try:
+            def at_hub() -> set[str]:
+                return {e["message_id"] for e in service.events()}
+
+            def written() -> set[str]:
+                return {r["id"] for r in read_jsonl(tmp_path / "out.jsonl")}
+
+            first = emu.schedule(type="Reboot", start_after=600)
+            wait_until(lambda: written() and written() <= at_hub(), 40, "the first records at the hub")
+            service.disconnect("drop")  # idle: the next send finds the connection gone
+            emu.schedule(type="Freeze", start_after=600)
+            emu.start_event(first)
+            wait_until(lambda: sum(1 for r in read_jsonl(tmp_path / "out.jsonl") if r["type"].startswith("scheduledevent."))
+                       >= 3, 30, "three scheduled-event records")
+            wait_until(lambda: written() <= at_hub(), 40, "every record at the hub after the drop")
+            assert agent.terminate() == 0
+        finally:
+            if agent.alive():
+                agent.kill()
+        tunnels = proxy.tunnels
+    ids = [e["message_id"] for e in service.events()]
+    delivered = read_jsonl(tmp_path / "out.jsonl")
+    assert sorted(set(ids)) == sorted(r["id"] for r in delivered)  # forwarder.stopped included
+    assert len(ids) == len(set(ids))  # dropped while idle: nothing was in flight, nothing comes twice
+    assert len(tunnels) >= 2 and {t.status for t in tunnels} == {200}  # reconnected through the proxy
+    assert "pr0xy" not in agent.logs()
