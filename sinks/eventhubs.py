@@ -249,9 +249,7 @@ class EventHubsSink:
         "custom_endpoint_address": "host[:port] to connect to instead of the namespace (a gateway or relay)",
     }
 
-    def __init__(self, options: Mapping[str, Any], context: SinkContext, *,
-                 client_options: Mapping[str, Any] | None = None) -> None:
-        """``client_options`` go to EventHubProducerClient unchanged (tests: ``use_tls=False``)."""
+    def __init__(self, options: Mapping[str, Any], context: SinkContext) -> None:
         problems = self.check(options)
         if problems:
             raise ValueError("; ".join(problems))
@@ -266,7 +264,6 @@ class EventHubsSink:
         fqns = options.get("fully_qualified_namespace")
         self._fqns: str | None = fqns.strip().rstrip("/") if isinstance(fqns, str) else None
         self._options = dict(options)
-        self._client_options = dict(client_options or {})
         self._credential: Any = None  # one managed identity credential for every producer: it caches tokens
         self._transport_options = self._sdk_transport_options(options)
         self._sender: _Sender | None = None
@@ -364,8 +361,7 @@ class EventHubsSink:
         return kwargs
 
     def _producer_client(self) -> EventHubProducerClient:
-        kwargs: dict[str, Any] = {**SDK_RETRY, "auth_timeout": self.timeout, **self._transport_options,
-                                  **self._client_options}
+        kwargs: dict[str, Any] = {**SDK_RETRY, "auth_timeout": self.timeout, **self._transport_options}
         if self._conn_str is not None:
             if self._eventhub:
                 kwargs["eventhub_name"] = self._eventhub

@@ -253,25 +253,24 @@ def test_slow_peer_times_out_and_a_hung_peer_is_abandoned(tmp_path, peer, monkey
     assert peer.events()[-1]["message_id"] == record.id
 
 
-def test_managed_identity_token_from_the_imds_emulator(tmp_path, peer, monkeypatch):
-    # The fully_qualified_namespace form always uses TLS on the real service; the test injects
-    # use_tls=False (client_options, a constructor seam, not a config option) to reach the plain peer.
+def test_managed_identity_token_from_the_imds_emulator(tmp_path, service, monkeypatch):
+    # As on Azure: the namespace host, TLS verified; custom_endpoint_address reaches the peer's port.
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         monkeypatch.setenv("AZURE_POD_IDENTITY_AUTHORITY_HOST", emu.url)
         sink = EventHubsSink(
-            {"fully_qualified_namespace": f"127.0.0.1:{peer.port}", "eventhub": peer.hub,
-             "credential": "managed_identity", "timeout": "5s"},
-            SinkContext(name="eh", state_dir=tmp_path), client_options={"use_tls": False},
+            {"fully_qualified_namespace": NAMESPACE_HOST, "eventhub": service.hub, "credential": "managed_identity",
+             "timeout": "5s", "ca_file": service.ca_file, "custom_endpoint_address": f"127.0.0.1:{service.amqps_port}"},
+            SinkContext(name="eh", state_dir=tmp_path),
         )
         try:
             assert sink.send([scheduled("E-1", 1)]) == Ok()
         finally:
             sink.close()
         assert emu.stats()["token_requests"] >= 1
-    (token,) = peer.stats()["cbs_tokens"]
+    (token,) = service.stats()["cbs_tokens"]
     assert token["type"] == "jwt" and token["token"].startswith("emulator-token.myVM.")
-    assert token["name"].endswith(f"/{peer.hub}")
-    assert len(peer.events()) == 1
+    assert token["name"] == f"sb://{NAMESPACE_HOST}/{service.hub}"
+    assert len(service.events()) == 1 and service.stats()["tls_connections"] == 1
 
 
 def test_management_read_answers_hub_and_partition_properties(peer):
