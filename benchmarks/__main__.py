@@ -16,7 +16,7 @@ import orjson
 from benchmarks.common import MODES, RESULTS, machine_info
 from benchmarks.plots import draw
 
-BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet")
+BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send")
 
 
 def _at(value: Any, path: str) -> Any:

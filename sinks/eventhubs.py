@@ -12,22 +12,31 @@ message size limit. Structured mode sends the CloudEvents JSON as the event body
 ``data`` as the body and the attributes as ``cloudEvents_*`` application properties (the CloudEvents
 AMQP binding).
 
+Transport: AMQP over TLS (port 5671) or, with ``transport = "websocket"``, AMQP over secure
+WebSocket (port 443, ``/$servicebus/websocket``), optionally through an HTTP proxy (``http_proxy``).
+``ca_file`` verifies the service (or a TLS-inspecting proxy) against another CA bundle;
+``custom_endpoint_address`` reaches the namespace through a gateway or relay.
+
 One producer stays open across sends and is rebuilt after a failure. The SDK retries little (the
-dispatcher owns retrying), and every send runs under a watchdog: the SDK's SASL handshake has no
-timeout, so a peer that accepts TCP and never answers would otherwise block the sink for good.
+dispatcher owns retrying). Sends run on one long-lived sender thread that the sink watches: the
+SDK's TLS and SASL handshakes have no timeout, so a peer that accepts TCP and never answers would
+otherwise block the sink for good; a sender that stops making progress is abandoned with its
+producer.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
+from urllib.parse import urlparse
 
 import orjson
 from azure.core.exceptions import ClientAuthenticationError
-from azure.eventhub import EventData, EventHubProducerClient, parse_connection_string
+from azure.eventhub import EventData, EventHubProducerClient, TransportType, parse_connection_string
 from azure.eventhub.exceptions import (
     AuthenticationError,
     ClientClosedError,
@@ -41,7 +50,7 @@ from azure.eventhub.exceptions import (
 
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
 from forwarder.units import parse_duration
-from sinks import check_int_range, check_positive_duration, unknown_options
+from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import (
     check_credential_options,
     managed_identity_credential,
@@ -51,6 +60,9 @@ from sinks.azure_common import (
 log = logging.getLogger(__name__)
 
 MODES = ("structured", "binary")
+TRANSPORTS = {"amqp": TransportType.Amqp, "websocket": TransportType.AmqpOverWebsocket}
+PROXY_KEYS = ("host", "port", "credentials_env", "credentials_file")
+
 DEFAULT_TIMEOUT = "10s"
 DEFAULT_MAX_BATCH = 500
 MAX_BATCH = 5000
@@ -102,28 +114,113 @@ def _connection_string_problems(conn_str: str, eventhub: Any) -> list[str]:
     return []
 
 
-class _Attempt:
-    """One send running on its own thread, so a hung SDK call cannot hold the sink forever."""
+def _check_endpoint(value: Any) -> list[str]:
+    if not isinstance(value, str) or not value.strip():
+        return [f"option 'custom_endpoint_address' must be an address like sb://gateway.example.com:5671, got {value!r}"]
+    parsed = urlparse(value if "//" in value else "sb://" + value)
+    try:
+        parsed.port  # noqa: B018  # raises on a port that is not a number
+    except ValueError:
+        return [f"option 'custom_endpoint_address' has an invalid port: {value!r}"]
+    if not parsed.hostname or parsed.path.strip("/"):
+        return [f"option 'custom_endpoint_address' must be host[:port] (optionally sb://host[:port]), got {value!r}"]
+    return []
 
-    def __init__(self, producer: EventHubProducerClient, work: Callable[[_Attempt], Result]) -> None:
-        self.producer = producer
+
+def _check_proxy(value: Any, transport: Any) -> list[str]:
+    if not isinstance(value, Mapping):
+        return ["option 'http_proxy' must be a table: http_proxy = { host = \"proxy.example.com\", port = 3128 }"]
+    problems = [f"option 'http_proxy.{k}' is unknown (known: {', '.join(PROXY_KEYS)})" for k in value if k not in PROXY_KEYS]
+    if "password" in value or "username" in value:
+        problems.append("proxy credentials are not allowed inline: put user:password in a file "
+                        "(http_proxy.credentials_file) or an environment variable (http_proxy.credentials_env)")
+    host = value.get("host")
+    if not isinstance(host, str) or not host.strip() or "/" in host:
+        problems.append(f"option 'http_proxy.host' must be a host name or address, got {host!r}")
+    port = value.get("port")
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        problems.append(f"option 'http_proxy.port' must be a port number, got {port!r}")
+    if transport == "amqp":
+        problems.append("option 'http_proxy' needs transport = \"websocket\" (an HTTP proxy carries only WebSockets)")
+    try:
+        creds = read_secret_text(value, "credentials")
+    except ValueError as exc:
+        problems.append(f"option 'http_proxy': {exc}")
+    else:
+        if creds is not None and ":" not in creds:
+            problems.append("the http_proxy credentials must read user:password")
+    return problems
+
+
+def proxy_settings(value: Mapping[str, Any]) -> dict[str, Any]:
+    """The SDK's ``http_proxy`` dict (proxy_hostname, proxy_port, username, password)."""
+    settings: dict[str, Any] = {"proxy_hostname": value["host"].strip(), "proxy_port": int(value["port"])}
+    creds = read_secret_text(value, "credentials")
+    if creds is not None:
+        settings["username"], _, settings["password"] = creds.partition(":")
+    return settings
+
+
+class _Job:
+    """One send handed to the sender thread; ``progress`` is the last time it moved forward."""
+
+    def __init__(self, work: Callable[[_Job], Result]) -> None:
+        self.work = work
         self.result: Result | None = None
         self.progress = time.monotonic()
-        self.abandoned = False
         self.done = threading.Event()
-        self._work = work
-        self.thread = threading.Thread(target=self._run, name="eventhubs-send", daemon=True)
+
+
+class _Sender:
+    """One long-lived thread that owns a producer and runs its sends, so none needs a thread of its own.
+
+    The sink watches each job; if one stops making progress the sender is abandoned: it closes its
+    producer when (if ever) the SDK call returns, and exits. Idle, it blocks on its queue (no ticking).
+    """
+
+    def __init__(self, factory: Callable[[], EventHubProducerClient]) -> None:
+        self._factory = factory
+        self.producer: EventHubProducerClient | None = None
+        self.abandoned = False
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="eventhubs-sender", daemon=True)
+        self.thread.start()
+
+    def submit(self, work: Callable[[_Job], Result]) -> _Job:
+        job = _Job(work)
+        self._jobs.put(job)
+        return job
+
+    def client(self) -> EventHubProducerClient:
+        """The open producer (built on first use; called on the sender thread only)."""
+        if self.producer is None:
+            self.producer = self._factory()
+        return self.producer
+
+    def drop_producer(self) -> None:
+        """Close the producer after a failure (it may hold a broken link); the next job builds a new one."""
+        producer, self.producer = self.producer, None
+        if producer is not None:
+            _close_quietly(producer)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
 
     def _run(self) -> None:
-        try:
-            self.result = self._work(self)
-            # A producer that failed may hold a broken link: close it here, under the watchdog.
-            if isinstance(self.result, Retry):
-                _close_quietly(self.producer)
-        finally:
-            self.done.set()
+        while True:
+            job = self._jobs.get()
+            if job is None or self.abandoned:
+                self.drop_producer()
+                return
+            try:
+                job.result = job.work(job)
+            except BaseException as exc:  # noqa: BLE001  # a result must always come back
+                log.debug("eventhubs sender job failed: %r", exc)
+            finally:
+                job.done.set()
             if self.abandoned:
-                _close_quietly(self.producer)
+                self.drop_producer()
+                return
 
 
 def _close_quietly(producer: EventHubProducerClient) -> None:
@@ -146,11 +243,13 @@ class EventHubsSink:
         "mode": "\"structured\" (CloudEvents JSON body, default) or \"binary\" (data body, cloudEvents_* properties)",
         "max_batch": f"records per send, 1 to {MAX_BATCH} (default {DEFAULT_MAX_BATCH})",
         "timeout": f"timeout of one send (default {DEFAULT_TIMEOUT})",
+        "transport": "\"amqp\" (AMQP over TLS, port 5671, default) or \"websocket\" (AMQP over WebSocket, port 443)",
+        "http_proxy": "{ host, port, credentials_env | credentials_file (user:password) }: HTTP proxy for websocket",
+        "ca_file": "CA bundle (PEM) to verify the service's certificate (default: certifi's bundle, as the SDK)",
+        "custom_endpoint_address": "host[:port] to connect to instead of the namespace (a gateway or relay)",
     }
 
-    def __init__(self, options: Mapping[str, Any], context: SinkContext, *,
-                 client_options: Mapping[str, Any] | None = None) -> None:
-        """``client_options`` go to EventHubProducerClient unchanged (tests: ``use_tls=False``)."""
+    def __init__(self, options: Mapping[str, Any], context: SinkContext) -> None:
         problems = self.check(options)
         if problems:
             raise ValueError("; ".join(problems))
@@ -165,10 +264,10 @@ class EventHubsSink:
         fqns = options.get("fully_qualified_namespace")
         self._fqns: str | None = fqns.strip().rstrip("/") if isinstance(fqns, str) else None
         self._options = dict(options)
-        self._client_options = dict(client_options or {})
         self._credential: Any = None  # one managed identity credential for every producer: it caches tokens
-        self._producer: EventHubProducerClient | None = None
-        self._stuck: _Attempt | None = None
+        self._transport_options = self._sdk_transport_options(options)
+        self._sender: _Sender | None = None
+        self._stuck: _Sender | None = None
         self._lock = threading.Lock()
         self._logged: set[str] = set()
         if self._conn_str is not None:  # for log lines: the namespace and hub, never the key
@@ -220,6 +319,14 @@ class EventHubsSink:
             problems.append(f"option 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
         problems += check_int_range(options, "max_batch", 1, MAX_BATCH)
         problems += check_positive_duration(options, "timeout")
+        transport = options.get("transport")
+        if transport is not None and transport not in TRANSPORTS:
+            problems.append(f"option 'transport' must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if "http_proxy" in options:
+            problems += _check_proxy(options["http_proxy"], transport)
+        problems += check_readable_file(options, "ca_file")
+        if "custom_endpoint_address" in options:
+            problems += _check_endpoint(options["custom_endpoint_address"])
         return problems
 
     # -- building events -----------------------------------------------------------------------
@@ -238,8 +345,23 @@ class EventHubsSink:
         data.message_id = record.id  # lets a consumer drop the duplicates of at-least-once delivery
         return data
 
+    @staticmethod
+    def _sdk_transport_options(options: Mapping[str, Any]) -> dict[str, Any]:
+        """transport_type, http_proxy, connection_verify, custom_endpoint_address for the SDK."""
+        kwargs: dict[str, Any] = {}
+        proxy = options.get("http_proxy")
+        transport = options.get("transport", "websocket" if proxy else "amqp")
+        kwargs["transport_type"] = TRANSPORTS[transport]
+        if proxy:
+            kwargs["http_proxy"] = proxy_settings(proxy)
+        if options.get("ca_file"):
+            kwargs["connection_verify"] = str(options["ca_file"])
+        if options.get("custom_endpoint_address"):
+            kwargs["custom_endpoint_address"] = str(options["custom_endpoint_address"]).strip()
+        return kwargs
+
     def _producer_client(self) -> EventHubProducerClient:
-        kwargs: dict[str, Any] = {**SDK_RETRY, "auth_timeout": self.timeout, **self._client_options}
+        kwargs: dict[str, Any] = {**SDK_RETRY, "auth_timeout": self.timeout, **self._transport_options}
         if self._conn_str is not None:
             if self._eventhub:
                 kwargs["eventhub_name"] = self._eventhub
@@ -261,67 +383,72 @@ class EventHubsSink:
 
     def _send(self, batch: Sequence[Record]) -> Result:
         if self._stuck is not None:
-            if not self._stuck.done.is_set():
+            if self._stuck.thread.is_alive():
                 return Retry(reason="peer_not_answering")
             self._stuck = None
-        if self._producer is None:
-            self._producer = self._producer_client()
-        attempt = _Attempt(self._producer, lambda a: self._attempt(a, batch))
-        attempt.thread.start()
-        while not attempt.done.wait(0.25):
-            if time.monotonic() - attempt.progress > self.stall_limit:
+        if self._sender is None:
+            self._sender = _Sender(self._producer_client)
+        sender = self._sender
+        job = sender.submit(lambda j: self._attempt(sender, j, batch))
+        # Wake only when the job ends or could have stalled: no polling while the SDK works.
+        while not job.done.wait(max(0.05, job.progress + self.stall_limit - time.monotonic())):
+            if time.monotonic() - job.progress > self.stall_limit:
                 log.warning("sink %r: Event Hubs (%s) made no progress for %.0fs; dropping the connection "
                             "(records kept, will retry)", self.name, self._where, self.stall_limit)
-                attempt.abandoned = True
-                self._stuck = attempt
-                self._producer = None
-                if attempt.done.is_set():  # finished just now: nobody else will close it
-                    _close_quietly(attempt.producer)
+                sender.abandoned = True
+                sender.stop()
+                self._stuck, self._sender = sender, None
                 return Retry(reason="timeout")
-        result = attempt.result
-        if result is None:  # the worker died of a BaseException; treat like any unexpected error
-            result = Retry(reason="internal_error")
-        if isinstance(result, Retry):
-            self._producer = None  # closed by the attempt; the next send builds a new one
-        return result
+        return job.result if job.result is not None else Retry(reason="internal_error")
 
-    def _attempt(self, attempt: _Attempt, batch: Sequence[Record]) -> Result:
-        """Runs on the attempt's thread: build every batch first (so a too-large record sends nothing), then send."""
-        producer = attempt.producer
+    def _attempt(self, sender: _Sender, job: _Job, batch: Sequence[Record]) -> Result:
+        """On the sender thread: build every batch first (so a too-large record sends nothing), then send."""
         try:
-            groups: dict[str, list[tuple[Record, dict[str, Any]]]] = {}
-            for record in batch:
-                event = record.to_dict()
-                groups.setdefault(partition_key(event), []).append((record, event))
-            ready = []
-            for key, items in groups.items():
-                current = producer.create_batch(partition_key=key)
-                attempt.progress = time.monotonic()
-                for record, event in items:
-                    data = self._event(record, event)
-                    try:
-                        current.add(data)
-                        continue
-                    except ValueError:
-                        if len(current) == 0:
-                            return self._too_large(record, current.max_size_in_bytes)
-                    ready.append(current)
-                    current = producer.create_batch(partition_key=key)
-                    try:
-                        current.add(data)
-                    except ValueError:
-                        return self._too_large(record, current.max_size_in_bytes)
-                ready.append(current)
+            producer = sender.client()
+            ready = self._batches(producer, job, batch)
+            if not isinstance(ready, list):
+                return ready
             # No stop check here: the agent drains its sinks after stop is set.
             for event_batch in ready:
+                if sender.abandoned:  # the sink gave up on this call and reported Retry: send nothing more
+                    return Retry(reason="timeout")
                 started = time.monotonic()
                 producer.send_batch(event_batch, timeout=self.timeout)
-                attempt.progress = time.monotonic()
+                job.progress = time.monotonic()
                 log.debug("sink %r: sent %d event(s), %d bytes, in %.1f ms", self.name, len(event_batch),
-                          event_batch.size_in_bytes, (attempt.progress - started) * 1000)
+                          event_batch.size_in_bytes, (job.progress - started) * 1000)
             return Ok()
         except Exception as exc:
-            return self._map_error(exc)
+            result = self._map_error(exc)
+            if isinstance(result, Retry):
+                sender.drop_producer()
+            return result
+
+    def _batches(self, producer: EventHubProducerClient, job: _Job, batch: Sequence[Record]) -> list[Any] | Reject:
+        groups: dict[str, list[tuple[Record, dict[str, Any]]]] = {}
+        for record in batch:
+            event = record.to_dict()
+            groups.setdefault(partition_key(event), []).append((record, event))
+        ready: list[Any] = []
+        for key, items in groups.items():
+            current = producer.create_batch(partition_key=key)
+            job.progress = time.monotonic()
+            for record, event in items:
+                data = self._event(record, event)
+                try:
+                    current.add(data)
+                    continue
+                except ValueError:
+                    if len(current) == 0:
+                        return self._too_large(record, current.max_size_in_bytes)
+                ready.append(current)
+                current = producer.create_batch(partition_key=key)
+                try:
+                    current.add(data)
+                except ValueError:
+                    return self._too_large(record, current.max_size_in_bytes)
+            ready.append(current)
+        return ready
 
     def _too_large(self, record: Record, limit: int) -> Reject:
         detail = (f"record {record.id} ({record.type}, {len(record.body)} bytes) does not fit in one "
@@ -350,6 +477,18 @@ class EventHubsSink:
         if isinstance(exc, EventDataError):
             log.error("sink %r: Event Hubs refused the events: %s", self.name, text)
             return Reject(reason="event_invalid", detail=text)
+        if "CERTIFICATE_VERIFY_FAILED" in text or "certificate verify failed" in text:
+            log.error("sink %r: the TLS certificate of Event Hubs (%s) could not be verified: %s. Records are kept "
+                      "and retried. Behind a TLS-inspecting proxy set ca_file to the proxy's CA bundle.",
+                      self.name, self._where, text)
+            return Retry(reason="certificate_error")
+        if "via proxy status: 407" in text:
+            log.error("sink %r: the HTTP proxy refused the credentials (407); records are kept and retried. "
+                      "Check http_proxy.credentials_env / credentials_file (user:password).", self.name)
+            return Retry(reason="proxy_auth_failed")
+        if "via proxy" in text:
+            log.warning("sink %r: the HTTP proxy refused the tunnel to Event Hubs (%s): %s", self.name, self._where, text)
+            return Retry(reason="proxy_error")
         if isinstance(exc, OperationTimeoutError):
             log.warning("sink %r: Event Hubs (%s) did not confirm the send within %gs; will retry",
                         self.name, self._where, self.timeout)
@@ -372,12 +511,11 @@ class EventHubsSink:
         return Retry(reason="internal_error")
 
     def close(self) -> None:
-        """Close the producer, waiting at most one timeout for a peer that does not answer."""
+        """Close the producer on its sender thread, waiting at most one timeout for a peer that does not answer."""
         with self._lock:
-            producer, self._producer = self._producer, None
-        if producer is not None:
-            closer = threading.Thread(target=_close_quietly, args=(producer,), name="eventhubs-close", daemon=True)
-            closer.start()
-            closer.join(self.timeout)
+            sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.stop()
+            sender.thread.join(self.timeout)
         if self._credential is not None:
             self._credential.close()

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Install the Event Hubs test peer's npm dependencies (rhea, pinned by package-lock.json).
+# Install the Event Hubs test peer's npm dependencies (rhea, ws; pinned by package-lock.json).
 # Used by .ci/run; needs node >= 18 and npm.
 set -eu
 cd "$(dirname "$0")"
