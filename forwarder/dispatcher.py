@@ -44,13 +44,15 @@ class SinkWorker:
     """Delivers one sink's backlog in order; a slow or dead sink only delays itself."""
 
     def __init__(self, name: str, sink: Sink, store: Store, *, backoff: Backoff, halt: threading.Event,
-                 max_age: float | None = None, clock: Callable[[], float] = time.time) -> None:
+                 max_age: float | None = None, clock: Callable[[], float] = time.time,
+                 stuck_after: float = STUCK_AFTER) -> None:
         self.name = name
         self.sink = sink
         self.store = store
         self.backoff = backoff
         self.halt = halt
         self.max_age = max_age
+        self.stuck_after = stuck_after
         self._clock = clock
         self._rng = random.Random()
         self._errors = RateLimitedLog(log)
@@ -144,29 +146,35 @@ class SinkWorker:
             self.stats.pending_since_ms = entries[0].appended_ms
         live, old = self._expired(entries)
         dead = [(e.body, "max_age_exceeded", f"older than {self.max_age:g}s") for e in old]
-        if live and not self._send(live, dead):
+        readable = []
+        for e in live:
+            try:
+                readable.append((e, Record.from_body(e.body)))
+            except (ValueError, KeyError, TypeError):  # damaged on disk: set aside and counted, not retried forever
+                dead.append((e.body, "record_damaged", "the stored record is not a readable CloudEvent"))
+        if readable and not self._send(readable, dead):
             self.position = self.cursor  # halted mid-retry: read again from the cursor next time
             return
         self._commit(end, dead)
         self.position = end
         self.stats.pending_since_ms = None
 
-    def _send(self, entries: list[Entry], dead: list[tuple[bytes, str, str]]) -> bool:
+    def _send(self, batch: list[tuple[Entry, Record]], dead: list[tuple[bytes, str, str]]) -> bool:
         """Send until Ok or Reject (appending rejects to ``dead``); False when halted."""
         attempt = 0
+        records = [r for _, r in batch]
         while True:
-            records = [Record.from_body(e.body) for e in entries]
             result = self.sink.send(records)
             if isinstance(result, Ok):
                 self.stats.delivered += len(records)
-                self.stats.last_latency_ms = self._clock() * 1000 - entries[-1].appended_ms
+                self.stats.last_latency_ms = self._clock() * 1000 - batch[-1][0].appended_ms
                 self.stats.failing_since = None
                 self._errors.clear("send")
                 return True
             if isinstance(result, Reject):
-                if len(entries) > 1:  # find the bad one(s): the rest must still arrive
-                    return all(self._send([e], dead) for e in entries)
-                dead.append((entries[0].body, result.reason, result.detail))
+                if len(batch) > 1:  # find the bad one(s): the rest must still arrive
+                    return all(self._send([pair], dead) for pair in batch)
+                dead.append((batch[0][1].body, result.reason, result.detail))
                 return True
             assert isinstance(result, Retry)
             delay = self.backoff.delay(attempt, self._rng, result.delay)
@@ -183,23 +191,26 @@ class SinkWorker:
         """Dead thread, or failing for longer than STUCK_AFTER."""
         since = self.stats.failing_since
         return not self.thread.is_alive() and not self.halt.is_set() or (
-            since is not None and time.monotonic() - since > STUCK_AFTER)
+            since is not None and time.monotonic() - since > self.stuck_after)
 
 
 class Dispatcher:
     """The poller's outbox: commits to the store, runs a worker per sink and a supervisor."""
 
     def __init__(self, store: Store, sinks: Mapping[str, Sink], *, backoff: Backoff | None = None,
-                 max_age: Mapping[str, float | None] | None = None) -> None:
+                 max_age: Mapping[str, float | None] | None = None, stuck_after: float = STUCK_AFTER,
+                 supervise_every: float = SUPERVISE_EVERY) -> None:
         self.store = store
         self.sinks = dict(sinks)
         store.sinks = tuple(self.sinks)
         self.halt = threading.Event()
         backoff = backoff or Backoff()
         self.workers = {
-            name: SinkWorker(name, sink, store, backoff=backoff, halt=self.halt, max_age=(max_age or {}).get(name))
+            name: SinkWorker(name, sink, store, backoff=backoff, halt=self.halt, max_age=(max_age or {}).get(name),
+                             stuck_after=stuck_after)
             for name, sink in self.sinks.items()
         }
+        self._supervise_every = supervise_every
         self._supervisor = threading.Thread(target=self._supervise, name="sink-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -208,7 +219,7 @@ class Dispatcher:
         self._supervisor.start()
 
     def _supervise(self) -> None:
-        while not self.halt.wait(SUPERVISE_EVERY):
+        while not self.halt.wait(self._supervise_every):
             for w in self.workers.values():
                 if not w.thread.is_alive() and not w.draining.is_set() and not self.halt.is_set():
                     w.restart()

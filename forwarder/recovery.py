@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from forwarder.errors import StateError
-from forwarder.store import DB_FILE, FORMAT, Store, connect, priority_of, sequence_floor
+from forwarder.store import DB_FILE, FORMAT, Store, connect, parse_meta, priority_of, sequence_floor
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,10 @@ def _problem(path: Path, fsync: bool) -> str | None:
             rows = conn.execute("PRAGMA quick_check").fetchall()
             if rows != [("ok",)]:
                 return "quick_check: " + "; ".join(str(r[0]) for r in rows[:5])
-            conn.execute("SELECT count(*) FROM meta").fetchone()
+            meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+            problems = parse_meta(meta, 0.0)[1] if "sequence" in meta else []  # (no sequence: never run yet)
+            if problems:
+                return "; ".join(problems)
         finally:
             conn.close()
     except sqlite3.Error as exc:
@@ -174,12 +177,10 @@ def _restore(store: Store, meta: dict[str, Any], records: list[tuple[Any, ...]],
             seqs.append(int(orjson.loads(row[1]).get("sequence", 0)))
         except (ValueError, TypeError, AttributeError):
             pass
-    try:
-        seqs.append(int(meta.get("sequence") or 0))
-    except (ValueError, TypeError):
-        pass
-    keep = {k: meta[k] for k in ("document", "api_version", "vm") if isinstance(meta.get(k), (str, bytes))}
-    loss.state_restored = "document" in keep
+    state, _ = parse_meta(meta, now)
+    seqs.append(state.sequence)
+    keep = {"document": state.document, "api_version": state.api_version, "vm": orjson.dumps(state.vm)}
+    loss.state_restored = state.document is not None
     with store.transaction() as c:
         c.executemany("INSERT INTO records(body, type, priority, time_ms) VALUES (?, ?, ?, ?)",
                       [(b, t, priority_of(str(t)), ms) for _, b, t, ms in records])

@@ -69,6 +69,7 @@ class Agent:
         self.telemetry: NullTelemetry = NO_TELEMETRY
         self.ready = threading.Event()
         self.loss: Loss | None = None
+        self.refusals: Any = None
 
     def _outbox(self, store: Store) -> Dispatcher:
         cfg = self.config
@@ -115,7 +116,7 @@ class Agent:
 
             # One approval.refused record per reason and client per window, with a count: a flood
             # of refused requests cannot fill the store or push real events out.
-            refusals = RefusalAggregator(submit, self.stop)
+            self.refusals = refusals = RefusalAggregator(submit, self.stop)
             refusals.start()
             self.callback = CallbackServer(ap.callback, decide, refusals.submit, self.config.state.dir / DB_FILE).start()
             log.info("approval callback listening on %s", self.callback.url)
@@ -188,6 +189,8 @@ class Agent:
                 if self.callback is not None:  # no new approvals once stopping
                     self.callback.stop()
                     self.callback = None
+                if self.refusals is not None:
+                    self.refusals.flush(force=True)
                 poller.drain_inbox()
                 # Stopping: the stopped record must still get out, so do not let `stop` abort it.
                 poller.emit_lifecycle("stopped", Reason="shutdown", UptimeSeconds=poller.heartbeat_data()["UptimeSeconds"])

@@ -71,6 +71,41 @@ def sequence_floor(now: float) -> int:
     return int(now * 1_000_000)
 
 
+def parse_meta(m: dict[str, Any], now: float) -> tuple[SavedState, list[str]]:
+    """The state in a meta table, field by field: an unreadable field is dropped and named."""
+    state, problems = SavedState(), []
+    try:
+        state.sequence = int(m["sequence"])
+    except (KeyError, ValueError, TypeError):
+        state.sequence = sequence_floor(now)
+        problems.append("the sequence counter is unreadable; continuing from the wall-clock floor")
+    for key in ("document", "api_version"):
+        value = m.get(key)
+        if isinstance(value, bytes):
+            try:
+                value = value.decode()
+            except UnicodeDecodeError:
+                value = 0
+        if value is None or isinstance(value, str) and (key != "document" or _is_json(value)):
+            setattr(state, key, value)
+        else:
+            problems.append(f"the saved {key} is unreadable; dropped")
+    try:
+        vm = orjson.loads(m["vm"]) if m.get("vm") else {}
+        state.vm = {str(k): str(v) for k, v in vm.items()}
+    except (ValueError, TypeError, AttributeError):
+        problems.append("the saved VM identity is unreadable; dropped")
+    return state, problems
+
+
+def _is_json(text: str) -> bool:
+    try:
+        orjson.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
 def connect(path: Path, *, fsync: bool = True) -> sqlite3.Connection:
     """A connection with the house settings; creates the schema if the file is new."""
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
@@ -180,21 +215,14 @@ class Store:
         """The saved state; a new database starts its sequence at the wall-clock floor."""
         m = self.meta()
         if "sequence" not in m:
-            floor = sequence_floor(self._clock())
             with self.transaction() as c:
-                c.execute("INSERT OR IGNORE INTO meta VALUES ('sequence', ?), ('format', ?)", (floor, FORMAT))
+                c.execute("INSERT OR IGNORE INTO meta VALUES ('sequence', ?), ('format', ?)",
+                          (sequence_floor(self._clock()), FORMAT))
             m = self.meta()
-        try:
-            vm = orjson.loads(m["vm"]) if m.get("vm") else {}
-            document = m.get("document")
-            return SavedState(
-                sequence=int(m["sequence"]),
-                document=document if isinstance(document, str) else None,
-                api_version=m.get("api_version") if isinstance(m.get("api_version"), str) else None,
-                vm={str(k): str(v) for k, v in vm.items()} if isinstance(vm, dict) else {},
-            )
-        except (ValueError, TypeError) as exc:
-            raise StateError(f"{self.path}: meta table is damaged ({exc})") from None
+        state, problems = parse_meta(m, self._clock())
+        for problem in problems:
+            log.error("%s: %s", self.path, problem)
+        return state
 
     def commit(self, records: Sequence[Record], state: SavedState | None = None, *,
                inbox_ids: Sequence[int] = ()) -> None:

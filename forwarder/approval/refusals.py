@@ -12,6 +12,12 @@ WINDOW = 60.0
 UNRECORDED_FIRST = frozenset({"rate_limited"})
 
 
+def _host(client: str) -> str:
+    """``1.2.3.4:5678`` or ``[::1]:5678`` without the port: one client opens many connections."""
+    host, sep, port = client.rpartition(":")
+    return host if sep and port.isdigit() else client
+
+
 class RefusalAggregator:
     """The first refusal of a (reason, client) in a window is audited at once; the rest as one count."""
 
@@ -34,7 +40,7 @@ class RefusalAggregator:
         if fields.get("Outcome") != "refused":
             self._submit(fields)
             return
-        key = (str(fields.get("Reason")), str(fields.get("Client")))
+        key = (str(fields.get("Reason")), _host(str(fields.get("Client"))))
         now = self._clock()
         with self._lock:
             started = self._open.get(key)

@@ -5,6 +5,7 @@ import threading
 import time
 
 import orjson
+import pytest
 
 from forwarder.dispatcher import Dispatcher
 from forwarder.retry import Backoff
@@ -166,3 +167,41 @@ def test_idle_workers_sleep_until_woken_yet_deliver_and_stop_at_once(tmp_path):
     d.close(5)
     assert time.monotonic() - t0 < 3  # not the minute an idle worker would otherwise sleep
     assert not any(w.thread.is_alive() for w in d.workers.values())
+
+
+class Crash(BaseException):
+    """Not an Exception: gets past the worker's own guard, so only the supervisor can help."""
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_sink_that_raises_is_retried_and_a_dead_worker_is_restarted(tmp_path):
+    def answer(batch, calls):
+        if calls == 1:
+            raise RuntimeError("sink bug")
+        if calls == 2:
+            raise Crash()
+        return Ok()
+
+    sink = ScriptedSink(answer=answer)
+    d = make(tmp_path, {"s": sink}, supervise_every=0.1)
+    d.commit(recs(5))
+    assert sink.wait_for(5)
+    assert sink.got == list(range(5))
+    figures = d.snapshot()["sinks"]["s"]
+    assert figures["restarts"] == 1 and figures["store_errors"] >= 1 and "sink bug" in str(figures["last_error"])
+    shut(d)
+
+
+def test_a_sink_failing_for_long_is_reported_stuck_and_recovers(tmp_path):
+    state = {"down": True}
+    sink = ScriptedSink(answer=lambda b, c: Retry("http_503") if state["down"] else Ok())
+    d = make(tmp_path, {"s": sink}, stuck_after=0.3)
+    d.commit(recs(3))
+    deadline = time.monotonic() + 20
+    while not d.snapshot()["sinks"]["s"]["stuck"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.snapshot()["sinks"]["s"]["stuck"] is True and d.snapshot()["sinks"]["s"]["backlog"] == 3
+    state["down"] = False
+    assert sink.wait_for(3)
+    assert d.snapshot()["sinks"]["s"]["stuck"] is False
+    shut(d)
