@@ -172,8 +172,9 @@ class Store:
         """Open (creating if needed) without any recovery: for the CLI next to a running agent."""
         path = Path(state_dir) / DB_FILE
         try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
             conn = connect(path, fsync=fsync)
-        except sqlite3.Error as exc:
+        except (OSError, sqlite3.Error) as exc:
             raise StateError(f"cannot open {path}: {exc}") from None
         return cls(conn, path, max_size=max_size, clock=clock)
 
@@ -243,14 +244,13 @@ class Store:
                     c.executemany("DELETE FROM inbox WHERE id = ?", [(i,) for i in inbox_ids])
                 if self.size + added > self.max_size:
                     added -= self._evict(c, self.size + added - self.max_size)
-                last = c.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
         except StoreError:
             self.append_failures += 1
             raise
         self.size += added
         if rows:
-            with self.changed:
-                self.next_index = int(last[0]) + 1
+            with self.changed:  # this connection is the only writer of records: ids follow on
+                self.next_index += len(rows)
                 self.changed.notify_all()
 
     def _evict(self, c: sqlite3.Connection, excess: int) -> int:
