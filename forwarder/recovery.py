@@ -207,7 +207,8 @@ def open_agent_store(state_dir: Path, *, fsync: bool = True, max_size: int = 256
         for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
             if os.path.lexists(p):
                 os.replace(p, p.with_name(p.name.replace(DB_FILE, DB_FILE + suffix, 1)))
-        reason = "database_unusable" if "not a regular file" in problem or "cannot open" in problem else "database_damaged"
+        unusable = ("not a regular file", "not a database", "unable to open")
+        reason = "database_unusable" if any(u in problem for u in unusable) else "database_damaged"
         loss = Loss(reason, problem, aside.name)
         salvaged = _salvage(aside, loss)
         loss.counts = {reason: 1, **({"unreadable_rows": loss.unreadable_rows} if loss.unreadable_rows else {})}
