@@ -19,6 +19,12 @@ from forwarder.store import Store
 BATCH = 64
 READ_BATCH = 500
 BATCHED_GOAL, DRAIN_GOAL, SINGLE_VS_FSYNC_GOAL = 50_000, 50_000, 2.0
+ROUNDS = 2
+
+
+def _best(into: dict[str, float], rates: dict[str, float]) -> None:
+    for key, rate in rates.items():
+        into[key] = max(into.get(key, 0.0), rate)
 
 
 def _rate(count: int, fn: Callable[[], None]) -> float:
@@ -145,11 +151,18 @@ def run(sizes: Sizes) -> dict[str, Any]:
     batched, single = records[: sizes.journal_records], records[sizes.journal_records :]
     bodies = [r.body for r in batched]
     with scratch_dir("journal-") as work:
-        fsync_ms = _fsync_ms(work)
-        s = _store(batched, single, work)
-        j = _old_journal(bodies, [r.body for r in single], work)
+        before = _fsync_ms(work)
+        # Two alternating rounds, best of each: a shared machine's load and a cloud disk's fsync
+        # latency wander by 2x within a minute, and no store should pay for another's bad minute.
+        s: dict[str, float] = {}
+        j: dict[str, float] = {}
+        for n in range(ROUNDS):
+            _best(s, _store(batched, single, work / f"s{n}"))
+            _best(j, _old_journal(bodies, [r.body for r in single], work / f"j{n}"))
         pq = _persist_queue(bodies[: sizes.pq_records], work)
         pqb = _persist_queue_batched(bodies, work)
+        # fsync latency wanders from minute to minute: the faster of two probes is the floor.
+        fsync_ms = min(before, _fsync_ms(work))
     floor = 1000 / fsync_ms
     figures = {
         # Disks differ a lot (and so does one cloud disk from minute to minute): read the rates
@@ -159,6 +172,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
         "record_bytes": round(sum(map(len, bodies)) / len(bodies)),
         "records": {"append_batched": len(bodies), "append_single": len(single), "persist_queue": sizes.pq_records},
         "batch_size": BATCH,
+        "rounds": ROUNDS,
         "sefwd_rec_per_s": {k: round(v) for k, v in s.items()},
         "old_journal_rec_per_s": {k: round(v) for k, v in j.items()},
         "persist_queue_rec_per_s": {k: round(v) for k, v in pq.items()},

@@ -211,6 +211,7 @@ class Dispatcher:
             for name, sink in self.sinks.items()
         }
         self._supervise_every = supervise_every
+        self._inbox_pending = True  # entries queued while no agent ran
         self._supervisor = threading.Thread(target=self._supervise, name="sink-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -229,8 +230,13 @@ class Dispatcher:
         self.store.commit(records, state, inbox_ids=inbox_ids)
 
     def inbox(self) -> list[tuple[int, object]]:
-        """Entries queued by other processes, looked at only when another connection wrote."""
-        return self.store.inbox() if self.store.refresh() else []
+        """Entries queued by other processes, looked at only when another connection wrote (or
+        the last look found some: they stay until the commit that consumes them succeeds)."""
+        if not (self.store.refresh() or self._inbox_pending):
+            return []
+        rows = self.store.inbox()
+        self._inbox_pending = bool(rows)
+        return rows
 
     def snapshot(self) -> dict[str, object]:
         """Per-sink and store figures for status and metrics."""

@@ -8,6 +8,7 @@ Other processes (``sefwd status|approve|deadletter``) open the same file with ``
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -36,7 +37,8 @@ CREATE TABLE IF NOT EXISTS records(
     id INTEGER PRIMARY KEY AUTOINCREMENT,  -- AUTOINCREMENT: an id is never handed out twice
     body BLOB NOT NULL, type TEXT NOT NULL, priority INTEGER NOT NULL, time_ms INTEGER NOT NULL
 );
-CREATE INDEX IF NOT EXISTS records_evict ON records(priority, id);
+-- Only the records evicted first are indexed: a scheduled event's insert pays for no index.
+CREATE INDEX IF NOT EXISTS records_evict_first ON records(priority, id) WHERE priority < 2;
 CREATE TABLE IF NOT EXISTS cursors(sink TEXT PRIMARY KEY, next INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS dead_letters(
     id INTEGER PRIMARY KEY AUTOINCREMENT, sink TEXT NOT NULL, body BLOB NOT NULL,
@@ -108,8 +110,11 @@ def _is_json(text: str) -> bool:
 
 def connect(path: Path, *, fsync: bool = True) -> sqlite3.Connection:
     """A connection with the house settings; creates the schema if the file is new."""
+    new = not path.exists()
     conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
     try:
+        if new:
+            os.chmod(path, 0o640)  # records and approvals are nobody else's business
         conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
@@ -258,7 +263,9 @@ class Store:
         freed = 0
         cursors = dict(c.execute("SELECT sink, next FROM cursors").fetchall())
         while freed < excess:
-            victims = c.execute("SELECT id, length(body) FROM records ORDER BY priority, id LIMIT 256").fetchall()
+            victims = c.execute(f"SELECT id, length(body) FROM records WHERE priority < {PRIORITY_EVENT} "
+                                "ORDER BY priority, id LIMIT 256").fetchall() or \
+                c.execute("SELECT id, length(body) FROM records ORDER BY id LIMIT 256").fetchall()
             if not victims:
                 break
             for rid, size in victims:
