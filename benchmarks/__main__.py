@@ -45,7 +45,6 @@ SUMMARY: dict[str, dict[str, str] | str] = {
     "journal": {"append_rps": "journal.sefwd_rec_per_s.append_batched", "drain_rps": "journal.sefwd_rec_per_s.drain",
                 "append_single_rps": "journal.sefwd_rec_per_s.append_single",
                 "fsync_floor_rps": "journal.fsync_floor_rec_per_s",
-                "old_journal_append_rps": "journal.old_journal_rec_per_s.append_batched",
                 "persist_queue_append_rps": "journal.persist_queue_rec_per_s.put",
                 "persist_queue_drain_rps": "journal.persist_queue_rec_per_s.drain"},
     "backlog_100k_webhook_s": "backlog.projected_s_for_100k.batch_100",

@@ -1,5 +1,5 @@
 """Time to deliver a 100k-record backlog to a loopback webhook (the catch-up after an outage): the
-agent's dispatcher on the SQLite store, next to the same loop over the old journal and persist-queue."""
+agent's dispatcher on the SQLite store, next to the same loop over persist-queue."""
 from __future__ import annotations
 
 import sys
@@ -11,7 +11,6 @@ from typing import Any
 from persistqueue import SQLiteQueue
 
 from benchmarks.common import ROOT, Sizes, goal, result, sample_records, scratch_dir
-from benchmarks.old_journal import Journal
 from forwarder.dispatcher import Dispatcher
 from forwarder.retry import Backoff
 from forwarder.sinkapi import Ok, Record, SinkContext
@@ -47,7 +46,7 @@ def _store(count: int, batch_size: int, work: Path, sink: WebhookSink) -> tuple[
 
 
 def _loop(read: Callable[[], list[Record]], commit: Callable[[], None], count: int, sink: WebhookSink) -> tuple[float, int, int]:
-    """A minimal worker (read a batch, send, commit) for the stores the agent does not use."""
+    """A minimal worker (read a batch, send, commit) for a store the agent does not use."""
     delivered = retries = 0
     start = time.perf_counter()
     deadline = time.monotonic() + TIMEOUT_S
@@ -58,30 +57,6 @@ def _loop(read: Callable[[], list[Record]], commit: Callable[[], None], count: i
         commit()
         delivered += len(batch)
     return time.perf_counter() - start, delivered, retries
-
-
-def _old_journal(count: int, batch_size: int, work: Path, sink: WebhookSink) -> tuple[float, int, int]:
-    journal = Journal(work / f"journal-{batch_size}", fsync=True)
-    records = sample_records(count)
-    for i in range(0, count, APPEND_BATCH):
-        journal.append([r.body for r in records[i : i + APPEND_BATCH]])
-    del records
-    reader = journal.reader("hook")
-    last: list[int] = [0]
-
-    def read() -> list[Record]:
-        entries = reader.read(batch_size)
-        last[0] = entries[-1].index + 1
-        return [Record.from_body(e.body) for e in entries]
-
-    def commit() -> None:  # the old worker persisted its cursor at most every 0.5 s; every batch here
-        reader.commit(last[0])
-        reader.flush()
-
-    try:
-        return _loop(read, commit, count, sink)
-    finally:
-        journal.close()
 
 
 def _persist_queue(count: int, batch_size: int, work: Path, sink: WebhookSink) -> tuple[float, int, int]:
@@ -101,7 +76,7 @@ def _deliver(store: str, count: int, batch_size: int, work: Path) -> dict[str, A
     with WebhookReceiver(default=200, store=False) as receiver:
         sink = WebhookSink({"url": receiver.url, "batch_size": batch_size}, SinkContext("hook", work))
         try:
-            seconds, delivered, retries = {"store": _store, "old_journal": _old_journal, "persist_queue": _persist_queue}[store](
+            seconds, delivered, retries = {"store": _store, "persist_queue": _persist_queue}[store](
                 count, batch_size, work, sink)
         finally:
             sink.close()
@@ -115,7 +90,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
         runs = {"batch_100": _deliver("store", sizes.backlog_records, 100, work)}
         if sizes.backlog_single:
             runs["batch_1"] = _deliver("store", sizes.backlog_single, 1, work)
-        others = {name: _deliver(name, sizes.backlog_records, 100, work) for name in ("old_journal", "persist_queue")}
+        others = {name: _deliver(name, sizes.backlog_records, 100, work) for name in ("persist_queue",)}
     main = runs["batch_100"]
     complete = main["delivered"] == main["records"]
     # The goal is stated for 100k records; a smaller run is scaled so the verdict still means something.
@@ -123,6 +98,5 @@ def run(sizes: Sizes) -> dict[str, Any]:
     figures: dict[str, Any] = dict(runs)
     figures["projected_s_for_100k"] = {k: round(v["seconds"] * 100_000 / v["records"], 1) for k, v in runs.items()}
     figures["side_by_side_batch_100"] = {"store": main, **others}
-    figures["store_vs_old_journal"] = round(others["old_journal"]["seconds"] / main["seconds"], 2)
     figures["store_vs_persist_queue"] = round(others["persist_queue"]["seconds"] / main["seconds"], 2)
     return result(figures, [goal(f"100k records (batch_size 100) delivered in <= {GOAL_S:g} s", complete and projected <= GOAL_S)])

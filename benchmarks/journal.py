@@ -1,5 +1,6 @@
 """Store throughput: durable appends (batches of 64 and single records) and a drain through a sink
-cursor, for the SQLite store next to the old segmented journal and persist-queue, on one disk in one run."""
+cursor, for the SQLite store next to persist-queue, on one disk in one run. (The old segmented
+journal was measured here too until its figures were recorded: docs/storage.md.)"""
 from __future__ import annotations
 
 import os
@@ -12,7 +13,6 @@ from typing import Any
 from persistqueue import SQLiteAckQueue, SQLiteQueue
 
 from benchmarks.common import Sizes, goal, result, sample_records, scratch_dir
-from benchmarks.old_journal import Journal
 from forwarder.sinkapi import Record
 from forwarder.store import Store
 
@@ -82,35 +82,6 @@ def _store(records: list[Record], single: list[Record], work: Path) -> dict[str,
         store.close()
 
 
-def _old_journal(bodies: list[bytes], single: list[bytes], work: Path) -> dict[str, float]:
-    journal = Journal(work / "journal", fsync=True)
-    reader = journal.reader("null")
-    total = len(bodies) + len(single)
-
-    def append_batched() -> None:
-        for i in range(0, len(bodies), BATCH):
-            journal.append(bodies[i : i + BATCH])
-
-    def append_single() -> None:
-        for body in single:
-            journal.append([body])
-
-    def drain() -> None:
-        done = 0
-        while done < total:
-            entries = reader.read(READ_BATCH)
-            _null_sink([Record.from_body(e.body) for e in entries])
-            reader.commit(entries[-1].index + 1)
-            done += len(entries)
-        reader.flush()
-
-    try:
-        return {"append_batched": _rate(len(bodies), append_batched), "append_single": _rate(len(single), append_single),
-                "drain": _rate(total, drain)}
-    finally:
-        journal.close()
-
-
 def _persist_queue(bodies: list[bytes], work: Path) -> dict[str, float]:
     """SQLiteAckQueue with one transaction per item (its default)."""
     queue = SQLiteAckQueue(str(work / "pq"), auto_commit=True, multithreading=False)
@@ -152,13 +123,11 @@ def run(sizes: Sizes) -> dict[str, Any]:
     bodies = [r.body for r in batched]
     with scratch_dir("journal-") as work:
         before = _fsync_ms(work)
-        # Two alternating rounds, best of each: a shared machine's load and a cloud disk's fsync
+        # Two rounds, best of each: a shared machine's load and a cloud disk's fsync
         # latency wander by 2x within a minute, and no store should pay for another's bad minute.
         s: dict[str, float] = {}
-        j: dict[str, float] = {}
         for n in range(ROUNDS):
             _best(s, _store(batched, single, work / f"s{n}"))
-            _best(j, _old_journal(bodies, [r.body for r in single], work / f"j{n}"))
         pq = _persist_queue(bodies[: sizes.pq_records], work)
         pqb = _persist_queue_batched(bodies, work)
         # fsync latency wanders from minute to minute: the faster of two probes is the floor.
@@ -174,12 +143,8 @@ def run(sizes: Sizes) -> dict[str, Any]:
         "batch_size": BATCH,
         "rounds": ROUNDS,
         "sefwd_rec_per_s": {k: round(v) for k, v in s.items()},
-        "old_journal_rec_per_s": {k: round(v) for k, v in j.items()},
         "persist_queue_rec_per_s": {k: round(v) for k, v in pq.items()},
         "persist_queue_batched_rec_per_s": {k: round(v) for k, v in pqb.items()},
-        "append_vs_old_journal": round(s["append_batched"] / j["append_batched"], 2),
-        "append_single_vs_old_journal": round(s["append_single"] / j["append_single"], 2),
-        "drain_vs_old_journal": round(s["drain"] / j["drain"], 2),
         "append_vs_persist_queue": round(s["append_batched"] / pq["put"], 1),
         "append_vs_persist_queue_batched": round(s["append_batched"] / pqb["put"], 2),
         "drain_vs_persist_queue": round(s["drain"] / pq["drain"], 1),

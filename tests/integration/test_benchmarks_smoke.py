@@ -28,9 +28,8 @@ def test_journal_benchmark_writes_its_figures(tmp_path: Path) -> None:
     journal = doc["results"]["journal"]
     assert set(journal["figures"]["sefwd_rec_per_s"]) == {"append_batched", "append_single", "drain"}
     assert set(journal["figures"]["persist_queue_rec_per_s"]) == {"put", "drain"}
-    assert set(journal["figures"]["old_journal_rec_per_s"]) == {"append_batched", "append_single", "drain"}
     assert set(journal["figures"]["persist_queue_batched_rec_per_s"]) == {"put", "drain"}
-    assert {"append_vs_persist_queue", "drain_vs_persist_queue", "fsync_ms_median", "append_vs_old_journal",
+    assert {"append_vs_persist_queue", "drain_vs_persist_queue", "fsync_ms_median",
             "append_single_vs_fsync_floor"} <= set(journal["figures"])
     assert journal["goals"] and all(isinstance(g["pass"], bool) for g in journal["goals"])
     assert journal["pass"] == all(g["pass"] for g in journal["goals"])
