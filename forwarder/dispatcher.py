@@ -241,7 +241,10 @@ class Dispatcher:
     def snapshot(self) -> dict[str, object]:
         """Per-sink and store figures for status and metrics."""
         now_ms = time.time() * 1000
-        losses = self.store.losses()
+        try:
+            losses = self.store.losses()
+        except Exception:  # a failing disk must not take the status report and metrics down too
+            losses = {}
         sinks = {}
         for name, w in self.workers.items():
             pending = w.stats.pending_since_ms

@@ -93,7 +93,7 @@ def set_old_layout_aside(state_dir: Path) -> Path | None:
 def _problem(path: Path, fsync: bool) -> str | None:
     """Why the database cannot be used as it is (None: fine, or not there yet)."""
     for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
-        if os.path.lexists(p) and (p.is_symlink() or not p.is_file()):
+        if os.path.lexists(p) and not p.is_file():  # (a link to a regular file is fine)
             return f"{p.name} is not a regular file"
     if not path.exists():
         return None

@@ -1,6 +1,7 @@
 """The agent's self-report (kept in the store's meta table) and its reading by ``sefwd status``."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -12,10 +13,12 @@ import orjson
 
 from forwarder import __version__
 from forwarder.errors import ForwarderError
+from forwarder.logutil import RateLimitedLog
 from forwarder.records import rfc3339, utcnow
 from forwarder.store import DB_FILE, Store
 
 STATUS_KEY = "status"
+log = logging.getLogger(__name__)
 
 
 def _steady(data: dict[str, Any]) -> dict[str, Any]:
@@ -43,6 +46,7 @@ class StatusReporter:
         self._refresh = refresh
         self._written: dict[str, Any] | None = None
         self._written_at = 0.0
+        self._errors = RateLimitedLog(log)
         self._thread = threading.Thread(target=self._run, name="status", daemon=True)
 
     def start(self) -> None:
@@ -50,9 +54,12 @@ class StatusReporter:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            data = self._snapshot()
-            if _steady(data) != self._written or time.monotonic() - self._written_at >= self._refresh:
-                self.write(data)
+            try:
+                data = self._snapshot()
+                if _steady(data) != self._written or time.monotonic() - self._written_at >= self._refresh:
+                    self.write(data)
+            except Exception as exc:  # the report is advisory: it must never stop for good
+                self._errors.log(logging.ERROR, "status", "cannot write the status report: %s", exc)
 
     def write(self, data: dict[str, Any] | None = None, **extra: Any) -> None:
         data = self._snapshot() if data is None else data
