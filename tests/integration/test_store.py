@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -116,15 +118,15 @@ def test_dead_letters_are_committed_with_the_cursor_and_settled_by_id(tmp_path):
 
 def test_second_agent_on_same_state_dir_is_refused(tmp_path):
     fd = lock_state_dir(tmp_path)
+    assert fd is not None
     try:
         with pytest.raises(StateError, match="another sefwd agent"):
             lock_state_dir(tmp_path)
     finally:
-        import os
-
-        assert fd is not None
         os.close(fd)
-    os.close(lock_state_dir(tmp_path) or 0)
+    again = lock_state_dir(tmp_path)  # released: the next agent may start
+    assert again is not None
+    os.close(again)
 
 
 def test_old_layout_is_set_aside_with_one_log_line(tmp_path, caplog):
@@ -173,3 +175,18 @@ def test_full_disk_refuses_loudly_changes_nothing_and_recovers_without_reopening
 
 def test_store_error_is_a_state_error():
     assert issubclass(StoreError, StateError)
+
+
+def test_a_lock_held_too_long_by_another_process_fails_the_commit_whole_and_the_retry_works(tmp_path):
+    store = Store.open(tmp_path)
+    store.conn.execute("PRAGMA busy_timeout=200")  # the 5 s default, shortened for the test
+    base = store.load_state().sequence
+    other = sqlite3.connect(tmp_path / "state.db", isolation_level=None)  # e.g. a `sefwd` command
+    other.execute("BEGIN IMMEDIATE")
+    with pytest.raises(StoreError, match="locked"):
+        store.commit(recs(3), SavedState(sequence=base + 3))
+    assert store.append_failures == 1
+    other.execute("ROLLBACK")
+    assert drain(store, "s") == [] and store.load_state().sequence == base  # nothing half-done
+    store.commit(recs(3), SavedState(sequence=base + 3))
+    assert ns(drain(store, "s")) == [0, 1, 2] and store.load_state().sequence == base + 3
