@@ -22,6 +22,7 @@ LOCK_FILE = "agent.lock"
 # The hand-made stores before state.db. No release shipped them, so they are set aside, not migrated.
 OLD_LAYOUT = ("state.json", "journal", "deadletter", "spool", "callback-replay.log", "approved.json", "status.json")
 _SALVAGE_CHUNK = 500
+DAMAGE = frozenset({"SQLITE_CORRUPT", "SQLITE_NOTADB", "SQLITE_FORMAT"})  # errors that mean a damaged file
 
 
 @dataclass
@@ -82,9 +83,13 @@ def set_old_layout_aside(state_dir: Path) -> Path | None:
     if not found:
         return None
     target = state_dir / f"old-layout-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-    target.mkdir()
-    for path in found:
-        os.replace(path, target / path.name)
+    try:
+        target.mkdir()
+        for path in found:
+            os.replace(path, target / path.name)
+    except OSError as exc:  # nothing reads these files any more: leaving them is harmless
+        log.error("state dir %s holds the old file layout; could not move it aside (%s), ignoring it", state_dir, exc)
+        return None
     log.error("state dir %s holds the old file layout (%s); it is not migrated: moved to %s, starting with a "
               "new %s", state_dir, ", ".join(p.name for p in found), target.name, DB_FILE)
     return target
@@ -110,6 +115,9 @@ def _problem(path: Path, fsync: bool) -> str | None:
         finally:
             conn.close()
     except sqlite3.Error as exc:
+        if getattr(exc, "sqlite_errorname", "SQLITE_CORRUPT") not in DAMAGE:
+            # A full disk or an I/O error says nothing about the file: never set a good one aside.
+            raise StateError(f"cannot open {path}: {exc}") from None
         return f"cannot open: {exc}"
     return None
 

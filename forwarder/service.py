@@ -9,7 +9,7 @@ from typing import Any
 from forwarder import __version__
 from forwarder.config import Config
 from forwarder.dispatcher import Dispatcher
-from forwarder.errors import ConfigError, ImdsError
+from forwarder.errors import ConfigError, ImdsError, StateError
 from forwarder.identity import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.poller import Poller
@@ -138,12 +138,33 @@ class Agent:
         }
         return data
 
+    def _open_store(self) -> tuple[Store, SavedState] | None:
+        """The store, retried while the disk refuses (full, I/O errors): no crash loop; None if stopped."""
+        cfg = self.config
+        attempt = 0
+        while True:
+            try:
+                store, self.loss = open_agent_store(cfg.state.dir, fsync=cfg.journal.fsync, max_size=cfg.journal.max_size)
+                try:
+                    return store, store.load_state()
+                except StateError:
+                    store.close()
+                    raise
+            except StateError as exc:
+                delay = min(30.0, 1.0 * 2 ** attempt)
+                attempt += 1
+                log.error("cannot open the store, retrying in %.0fs: %s", delay, exc)
+                if self.stop.wait(delay):
+                    return None
+
     def run(self) -> int:
         cfg = self.config
         lock = lock_state_dir(cfg.state.dir)
         try:
-            store, self.loss = open_agent_store(cfg.state.dir, fsync=cfg.journal.fsync, max_size=cfg.journal.max_size)
-            state = store.load_state()
+            opened = self._open_store()
+            if opened is None:
+                return 1
+            store, state = opened
             resumed = state.document is not None
             imds = ImdsClient(
                 cfg.imds.endpoint,

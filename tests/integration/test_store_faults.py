@@ -105,6 +105,27 @@ def test_full_file_system_stops_commits_loudly_and_everything_delivers_when_spac
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "no record lost: sequence has no gap"
 
 
+def test_a_start_on_a_full_file_system_waits_for_space_and_never_sets_a_good_database_aside(tmp_path, small_fs):
+    state = small_fs / "state"
+    with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=200) as rx:
+        config = cfg(tmp_path, emu, rx, state)
+        agent = AgentProcess(config, tmp_path / "a1.log")
+        first = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
+        wait_until(lambda: [r for r in hook_records(rx) if r.get("subject") == first], 60, "first run delivered")
+        assert agent.terminate() == 0
+        filler = fill(small_fs)
+        second = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
+        agent = AgentProcess(config, tmp_path / "a2.log")
+        wait_until(lambda: "cannot open the store" in agent.logs() or "could not commit" in agent.logs(), 60,
+                   "a loud failure while the disk is full")
+        filler.unlink()
+        wait_until(lambda: [r for r in hook_records(rx) if r.get("subject") == second], 60, "delivered once space returned")
+        assert agent.terminate() == 0
+    assert not list(state.glob("state.db.damaged-*")) and not of_type(hook_records(rx), "forwarder.data_lost")
+    firsts = [r for r in hook_records(rx) if r.get("subject") == first and r["type"] == "scheduledevent.scheduled"]
+    assert len({r["id"] for r in firsts}) == 1, "the state survived: the first event was not re-sent as Initial"
+
+
 def _checkpointed(state: Path) -> None:
     """After a clean stop the WAL is folded into state.db: damage to state.db hits the records."""
     assert (state / "state.db").is_file() and not (state / "state.db-wal").exists()
