@@ -70,8 +70,8 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
             _progress(sent + failed, len(letters), start)
     except KeyboardInterrupt:
         failed = len(letters) - sent  # the rest are still dead letters: nothing was removed early
-    except ForwarderError as exc:
-        print(f"sefwd: {exc}", file=sys.stderr)
+    except Exception as exc:  # a store fault or a sink that raises: what was not delivered stays
+        print(f"sefwd: replay stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
         failed = len(letters) - sent
     finally:
         sink.close()

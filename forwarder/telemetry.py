@@ -11,8 +11,8 @@ no hooks of its own:
 * the poller's outbox — records journaled by type, approvals by outcome, and whether the
   journal can still be appended to.
 
-Backlog, oldest-undelivered age, deliveries, retries, dead letters and journal losses per sink
-are read from ``Dispatcher.snapshot()`` when metrics are collected (observable instruments).
+Backlog, oldest-undelivered age, deliveries, retries, dead letters, store losses and whether a
+sink is stuck are read from ``Dispatcher.snapshot()`` when metrics are collected (observable instruments).
 The MeterProvider is the agent's own, never the global one.
 """
 from __future__ import annotations
