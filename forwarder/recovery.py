@@ -102,6 +102,8 @@ def _problem(path: Path, fsync: bool) -> str | None:
             return f"{p.name} is not a regular file"
     if not path.exists():
         return None
+    if path.stat().st_size == 0 and not Path(f"{path}-wal").exists():
+        return "state.db is empty (truncated to nothing?)"  # the agent never leaves it empty
     try:
         conn = connect(path, fsync=fsync)
         try:

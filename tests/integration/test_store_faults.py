@@ -131,7 +131,7 @@ def _checkpointed(state: Path) -> None:
     assert (state / "state.db").is_file() and not (state / "state.db-wal").exists()
 
 
-@pytest.mark.parametrize("damage", ["truncated", "garbage_header", "flipped_pages"])
+@pytest.mark.parametrize("damage", ["truncated", "garbage_header", "flipped_pages", "emptied"])
 def test_damaged_database_is_set_aside_salvaged_and_the_loss_announced(tmp_path, damage):
     state = tmp_path / "state"
     with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=503) as rx:
@@ -146,6 +146,8 @@ def test_damaged_database_is_set_aside_salvaged_and_the_loss_announced(tmp_path,
         data = bytearray(db.read_bytes())
         if damage == "truncated":
             db.write_bytes(bytes(data[: len(data) // 2]))
+        elif damage == "emptied":
+            db.write_bytes(b"")
         elif damage == "garbage_header":
             db.write_bytes(b"\x99" * 100 + bytes(data[100:]))
         else:
