@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import sqlite3
 import statistics
 import sys
 import time
@@ -18,7 +19,6 @@ import psutil
 from benchmarks.agents import FirstGets, spawn_agent, stop_agents
 from benchmarks.common import ROOT, Sizes, goal, result, scratch_dir
 from forwarder.emulator import Emulator
-from forwarder.journal import MAGIC, SEGMENT_PREFIX, decode_at
 
 sys.path.insert(0, str(ROOT))  # tests.peers is not an installed package
 from tests.peers.appinsights_peer import AppInsightsPeer  # noqa: E402
@@ -144,20 +144,17 @@ class _Agent:
             raise RuntimeError(f"agent {self.vm} exited with {self.proc.returncode}: see {self.log}")
 
     def committed(self, sink: str, event_id: str) -> bool:
-        """Whether the sink's cursor has passed the journal entry holding this event's record."""
-        cursor = self.state / "journal" / "cursors" / f"{sink}.cursor"
+        """Whether the sink's cursor in the agent's store has passed the record of this event."""
         try:
-            next_index = int(orjson.loads(cursor.read_bytes())["next"])
-        except (OSError, ValueError, KeyError):
+            db = sqlite3.connect(f"file:{self.state / 'state.db'}?mode=ro", uri=True, timeout=5)
+            try:
+                row = db.execute("SELECT (SELECT next FROM cursors WHERE sink = ?) > id FROM records "
+                                 "WHERE instr(body, ?) > 0 ORDER BY id LIMIT 1", (sink, event_id.encode())).fetchone()
+            finally:
+                db.close()
+        except sqlite3.Error:
             return False
-        needle = event_id.encode()
-        for segment in sorted((self.state / "journal").glob(f"{SEGMENT_PREFIX}*")):
-            buf, pos = segment.read_bytes(), len(MAGIC)
-            while (found := decode_at(buf, pos)) is not None:
-                entry, pos = found
-                if needle in entry.body:
-                    return next_index > entry.index
-        return False
+        return bool(row and row[0])
 
     def telemetry_scrape(self) -> str:
         found = _TELEMETRY_URL.search(self.log.read_text(errors="replace"))

@@ -6,7 +6,7 @@
 * processing: the emulator answers that agent the first GET carrying the new DocumentIncarnation
   (t1, stamped in the emulator's per-request count hook, just before the answer leaves) -> the
   loopback webhook receiver is about to answer 2xx to that agent's POST of the record. It covers
-  the read of the answer, diff, records, state save (fsync), journal append (fsync), the wake of
+  the read of the answer, diff, records, one store commit of document, records and sequence (fsync), the wake of
   the webhook dispatcher and a signed POST.
 
 CLOCK_MONOTONIC is one clock for every process on Linux, so the stamps compare across processes.

@@ -9,12 +9,15 @@ import signal
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from forwarder import __version__
 from forwarder.errors import ConfigError, ForwarderError
+
+if TYPE_CHECKING:
+    from forwarder.store import SavedState
 
 log = logging.getLogger("forwarder")
 
@@ -131,7 +134,6 @@ def cmd_once(args: argparse.Namespace) -> int:
     from forwarder.imds import ImdsClient
     from forwarder.records import RecordFactory, utcnow
     from forwarder.service import resolve_identity
-    from forwarder.state import AgentState, StateStore
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
@@ -148,11 +150,7 @@ def cmd_once(args: argparse.Namespace) -> int:
     except DocumentError as exc:
         print(f"sefwd: IMDS answered with a bad document: {exc}", file=sys.stderr)
         return EXIT_BAD_DOCUMENT
-    try:
-        saved = StateStore(config.state.dir).load()
-    except ForwarderError:
-        saved = AgentState()
-    factory = RecordFactory(resolve_identity(imds, saved), config.imds.api_version)
+    factory = RecordFactory(resolve_identity(imds, _saved_state(config.state.dir)), config.imds.api_version)
     records = factory.for_changes(diff(None, document, utcnow()), document)
     _print_records(records, args.pretty)
     print(f"sefwd: {len(document.events)} event(s), DocumentIncarnation {document.incarnation}", file=sys.stderr)
@@ -216,32 +214,30 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_approve(args: argparse.Namespace) -> int:
     import getpass
-    import uuid
 
     import orjson
 
     from forwarder.approval.approver import APPROVED, Approver
     from forwarder.config import load_config
     from forwarder.imds import ImdsClient
-    from forwarder.service import SPOOL_DIR, resolve_identity
-    from forwarder.state import AgentState, StateStore, atomic_write
+    from forwarder.service import resolve_identity
+    from forwarder.store import Store
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
-    spool = config.state.dir / SPOOL_DIR
 
     def audit(entry: dict[str, object]) -> None:
-        # The running agent journals spooled entries; with no agent running, the next start does.
-        spool.mkdir(parents=True, exist_ok=True)
-        atomic_write(spool / f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json", orjson.dumps(entry))  # sorts by time
+        # The store's inbox: the running agent commits it as a record; with no agent running, the next start does.
+        config.state.dir.mkdir(parents=True, exist_ok=True)
+        store = Store.open(config.state.dir)
+        try:
+            store.inbox_add(entry)
+        finally:
+            store.close()
 
     imds = ImdsClient(config.imds.endpoint, config.imds.api_version, timeout=config.imds.timeout,
                       compute_api_version=config.imds.compute_api_version)
-    try:
-        saved = StateStore(config.state.dir).load()
-    except ForwarderError:
-        saved = AgentState()
-    vm = resolve_identity(imds, saved)
+    vm = resolve_identity(imds, _saved_state(config.state.dir))
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
@@ -262,6 +258,22 @@ def cmd_approve(args: argparse.Namespace) -> int:
     return EXIT_OK if attempt.outcome == APPROVED else EXIT_FAILURE
 
 
+def _saved_state(state_dir: Path) -> SavedState:
+    """The agent's saved state (its VM identity) for a one-shot command; empty when unreadable."""
+    from forwarder.store import DB_FILE, SavedState, Store
+
+    if not (state_dir / DB_FILE).is_file():
+        return SavedState()
+    try:
+        store = Store.open(state_dir)
+        try:
+            return store.load_state()
+        finally:
+            store.close()
+    except ForwarderError:
+        return SavedState()
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import orjson
 
@@ -279,25 +291,28 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_deadletter(args: argparse.Namespace) -> int:
     from forwarder.config import load_config
-    from forwarder.deadletter import DeadLetters, sinks_with_dead_letters
+    from forwarder.store import DB_FILE, Store
 
     config = load_config(args.config)
-    directory = config.state.dir / "deadletter"
     if args.deadletter_command == "list":
         import orjson
 
-        names = [args.sink] if args.sink else list(sinks_with_dead_letters(directory))
-        total = 0
-        for name in names:
-            for dl in DeadLetters(directory, name):
-                total += 1
-                if args.json:
-                    obj = {"sink": name, "time": dl.time, "reason": dl.reason, "detail": dl.detail, "record": dl.record.to_dict()}
-                    sys.stdout.buffer.write(orjson.dumps(obj) + b"\n")
-                else:
-                    e = dl.record.to_dict()
-                    print(f"{name}\t{dl.time}\t{dl.reason}\t{e.get('type')}\t{e.get('id')}\t{e.get('subject', '')}\t{dl.detail[:80]}")
-        print(f"{total} dead letter(s)", file=sys.stderr)
+        if not (config.state.dir / DB_FILE).is_file():
+            print("0 dead letter(s)", file=sys.stderr)
+            return EXIT_OK
+        store = Store.open(config.state.dir)
+        try:
+            letters = store.dead_letters(args.sink)
+        finally:
+            store.close()
+        for dl in letters:
+            if args.json:
+                obj = {"sink": dl.sink, "time": dl.time, "reason": dl.reason, "detail": dl.detail, "record": dl.record.to_dict()}
+                sys.stdout.buffer.write(orjson.dumps(obj) + b"\n")
+            else:
+                e = dl.record.to_dict()
+                print(f"{dl.sink}\t{dl.time}\t{dl.reason}\t{e.get('type')}\t{e.get('id')}\t{e.get('subject', '')}\t{dl.detail[:80]}")
+        print(f"{len(letters)} dead letter(s)", file=sys.stderr)
         return EXIT_OK
     from forwarder.replay import replay
 

@@ -61,7 +61,7 @@ class ImdsConfig:
 
 @dataclass(frozen=True)
 class StateConfig:
-    """Where the journal, cursor and dead letters live."""
+    """Where state.db (records, cursors, dead letters, state) lives."""
 
     dir: Path
 
@@ -78,7 +78,7 @@ class AgentConfig:
 
 @dataclass(frozen=True)
 class JournalConfig:
-    """The on-disk buffer between the poller and the sinks."""
+    """The cap and fsync of the store between the poller and the sinks (segment_size: unused)."""
 
     max_size: int
     segment_size: int
@@ -709,7 +709,7 @@ compute_api_version = "2021-02-01"
 compute_refresh = "1h"
 
 [state]
-# Journal, cursor, status and dead letters. Default: /var/lib/sefwd as root, else
+# state.db (records, cursors, dead letters, state; see docs/storage.md). Default: /var/lib/sefwd as root, else
 # $XDG_STATE_HOME/sefwd or ~/.local/state/sefwd (%ProgramData%\\sefwd on Windows).
 # A relative path resolves against this file's directory.
 dir = "/var/lib/sefwd"
@@ -721,19 +721,20 @@ heartbeat = "5m"
 # debug, info, warning or error (logs go to stderr; stdout carries records only).
 log_level = "info"
 # On shutdown, how long sinks may keep delivering the backlog before the agent exits
-# (undelivered records stay in the journal and are sent on the next start).
+# (undelivered records stay in state.db and are sent on the next start).
 drain_timeout = "10s"
 # A file rewritten every 30 s in the Azure guest agent's heartbeat format (Ready/NotReady and a
 # one-line summary); the VM extension sets it. "" (the default) writes none.
 heartbeat_file = ""
 
 [journal]
-# The crash-safe buffer between polling and delivery (under the state dir). When it would grow
-# past max_size the oldest segment is dropped and every record a sink thereby loses is counted
-# (sefwd status, "dropped_full"): newer notices matter more than old ones.
+# The cap on undelivered records in state.db. Past max_size heartbeats and audits are evicted
+# first, scheduledevent.* records last, and every record a sink thereby loses is counted
+# (sefwd status, "evicted_size_cap").
 max_size = "256MiB"
+# No longer has an effect (the SQLite store has no segments); accepted so old configs still load.
 segment_size = "8MiB"
-# fsync every append before the document is committed as seen. Turn off only for tests.
+# fsync every commit (SQLite synchronous=FULL; false = NORMAL). Turn off only for tests.
 fsync = true
 
 [delivery]

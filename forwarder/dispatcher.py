@@ -1,4 +1,8 @@
-"""One thread per sink: read from its journal cursor, send, retry, dead-letter, commit."""
+"""One worker per sink: read from its cursor in the store, send, retry, dead-letter, advance.
+
+No exception ends delivery: a failed store read or cursor write is retried with backoff, and a
+supervisor restarts a worker thread that died anyway.
+"""
 from __future__ import annotations
 
 import logging
@@ -6,15 +10,20 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from forwarder.deadletter import DeadLetters
-from forwarder.journal import Entry, Journal, Reader
 from forwarder.logutil import RateLimitedLog
+from forwarder.records import rfc3339, utcnow
 from forwarder.retry import Backoff
 from forwarder.sinkapi import Ok, Record, Reject, Retry, Sink
+from forwarder.store import Entry, SavedState, Store
 
 log = logging.getLogger(__name__)
+
+IDLE_WAIT = 60.0  # seconds a worker with nothing to do sleeps unless woken
+STUCK_AFTER = 300.0  # a sink failing this long (or its worker dead) is reported as stuck
+SUPERVISE_EVERY = 5.0
+COLLECT_EVERY = 2.0  # delivered records are deleted in batches, not after every send
 
 
 @dataclass
@@ -22,209 +31,271 @@ class SinkStats:
     delivered: int = 0
     retries: int = 0
     dead_lettered: int = 0
-    dead_by_reason: dict[str, int] | None = None
+    dead_by_reason: dict[str, int] = field(default_factory=dict)
     last_error: str | None = None
-    last_delivery_ms: int | None = None  # journal append time of the newest delivered record
     last_latency_ms: float | None = None
-    pending_since_ms: int | None = None  # journal time of the oldest record being delivered
-
-
-IDLE_WAIT = 60.0  # seconds a worker with nothing to do sleeps unless woken
+    pending_since_ms: int | None = None  # store time of the oldest record being delivered
+    failing_since: float | None = None  # monotonic: first failure (sink or store) of the current streak
+    store_errors: int = 0
+    restarts: int = 0
 
 
 class SinkWorker:
     """Delivers one sink's backlog in order; a slow or dead sink only delays itself."""
 
-    def __init__(
-        self,
-        name: str,
-        sink: Sink,
-        reader: Reader,
-        dead: DeadLetters,
-        *,
-        backoff: Backoff,
-        halt: threading.Event,
-        max_age: float | None = None,
-        clock: Callable[[], float] = time.time,
-        flush_interval: float = 0.5,
-    ) -> None:
+    def __init__(self, name: str, sink: Sink, store: Store, *, backoff: Backoff, halt: threading.Event,
+                 max_age: float | None = None, clock: Callable[[], float] = time.time,
+                 stuck_after: float = STUCK_AFTER) -> None:
         self.name = name
         self.sink = sink
-        self.reader = reader
-        self.dead = dead
+        self.store = store
         self.backoff = backoff
         self.halt = halt
         self.max_age = max_age
+        self.stuck_after = stuck_after
         self._clock = clock
-        self._flush_interval = flush_interval
         self._rng = random.Random()
         self._errors = RateLimitedLog(log)
-        self.stats = SinkStats(dead_by_reason={})
+        self.stats = SinkStats()
         self.draining = threading.Event()
-        self.thread = threading.Thread(target=self._run, name=f"sink-{name}", daemon=True)
+        self.cursor = 0
+        self.position = 0
+        self._loaded = False
+        self.thread = self._thread()
+
+    def _thread(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name=f"sink-{self.name}", daemon=True)
 
     def start(self) -> None:
         self.thread.start()
 
+    def restart(self) -> None:
+        """Called by the supervisor for a thread that died: resume from the committed cursor."""
+        self.stats.restarts += 1
+        log.error("sink %s: delivery thread died; restarting it (restart %d)", self.name, self.stats.restarts)
+        self.thread = self._thread()
+        self.thread.start()
+
     def _run(self) -> None:
-        last_flush = time.monotonic()
-        try:
-            while not self.halt.is_set():
-                entries = self.reader.read(max(1, self.sink.max_batch))
+        failures = 0
+        collected = time.monotonic()
+        while not self.halt.is_set():
+            try:
+                if not self._loaded:
+                    self.cursor = self.position = self.store.cursor(self.name)
+                    self._loaded = True
+                entries = self.store.read(self.name, self.position, max(1, self.sink.max_batch))
+                failures = 0
                 if entries:
                     self._deliver(entries)
                 elif self.draining.is_set():
                     break  # shutting down and nothing left
                 else:
-                    # Woken by every append and by close(); the timeout only matters for a cursor
-                    # that still has to reach disk. An idle agent must not tick (README: performance).
-                    self.reader.wait(self._flush_interval if self.reader.dirty else IDLE_WAIT)
-                if time.monotonic() - last_flush >= self._flush_interval:
-                    self.reader.flush()
-                    self.reader.journal.collect()
-                    last_flush = time.monotonic()
-        except Exception:  # a sink bug must not kill delivery silently
-            log.exception("sink %s: delivery thread crashed; its records stay in the journal", self.name)
-        finally:
-            self.reader.flush()
+                    self.store.wait(self.position, IDLE_WAIT)  # woken by every commit and by close()
+                if time.monotonic() - collected >= COLLECT_EVERY:
+                    collected = time.monotonic()
+                    self.store.collect()
+            except Exception as exc:  # a store fault or a sink bug must not end delivery
+                failures += 1
+                self.position = self.cursor
+                self.stats.store_errors += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                if self.stats.failing_since is None:
+                    self.stats.failing_since = time.monotonic()
+                delay = self.backoff.delay(failures - 1, self._rng)
+                self._errors.log(logging.ERROR, "store", "sink %s: %s; retrying in %.2fs", self.name, self.stats.last_error, delay)
+                if self.halt.wait(delay):
+                    break
 
-    def _expired(self, entries: list[Entry]) -> list[Entry]:
+    def _expired(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
         if not self.max_age:
-            return entries
+            return entries, []
         cutoff_ms = (self._clock() - self.max_age) * 1000
-        old = [e for e in entries if e.appended_ms < cutoff_ms]
-        if old:
-            self._dead([Record.from_body(e.body) for e in old], "max_age_exceeded", f"older than {self.max_age:g}s")
-        return [e for e in entries if e.appended_ms >= cutoff_ms]
+        return [e for e in entries if e.appended_ms >= cutoff_ms], [e for e in entries if e.appended_ms < cutoff_ms]
 
-    def _dead(self, records: Sequence[Record], reason: str, detail: str) -> None:
-        self.dead.add(list(records), reason, detail)
-        self.stats.dead_lettered += len(records)
-        assert self.stats.dead_by_reason is not None
-        self.stats.dead_by_reason[reason] = self.stats.dead_by_reason.get(reason, 0) + len(records)
-        log.error("sink %s: %d record(s) moved to dead letters: %s %s", self.name, len(records), reason, detail)
+    def _commit(self, end: int, dead: Sequence[tuple[bytes, str, str]] = ()) -> None:
+        """Advance the cursor (with any dead letters) durably; retried until it works or we halt."""
+        attempt = 0
+        while True:
+            try:
+                self.store.advance(self.name, end, dead, rfc3339(utcnow()) or "")
+                break
+            except Exception as exc:
+                self.stats.store_errors += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                if self.stats.failing_since is None:
+                    self.stats.failing_since = time.monotonic()
+                delay = self.backoff.delay(attempt, self._rng)
+                attempt += 1
+                self._errors.log(logging.ERROR, "cursor", "sink %s: cannot save its cursor: %s; retrying in %.2fs",
+                                 self.name, exc, delay)
+                if self.halt.wait(delay):
+                    return  # not committed: the next start delivers these again (duplicates, not loss)
+        self._errors.clear("cursor")
+        self.cursor = max(self.cursor, end)
+        for _, reason, _ in dead:
+            self.stats.dead_by_reason[reason] = self.stats.dead_by_reason.get(reason, 0) + 1
+        if dead:
+            self.stats.dead_lettered += len(dead)
+            log.error("sink %s: %d record(s) moved to dead letters: %s", self.name, len(dead),
+                      ", ".join(sorted({f"{r} {d}".strip() for _, r, d in dead})))
 
     def _deliver(self, entries: list[Entry]) -> None:
         end = entries[-1].index + 1
         if self.stats.pending_since_ms is None:
             self.stats.pending_since_ms = entries[0].appended_ms
+        live, old = self._expired(entries)
+        dead = [(e.body, "max_age_exceeded", f"older than {self.max_age:g}s") for e in old]
+        readable = []
+        for e in live:
+            try:
+                readable.append((e, Record.from_body(e.body)))
+            except (ValueError, KeyError, TypeError):  # damaged on disk: set aside and counted, not retried forever
+                dead.append((e.body, "record_damaged", "the stored record is not a readable CloudEvent"))
+        if readable and not self._send(readable, dead):
+            self.position = self.cursor  # halted mid-retry: read again from the cursor next time
+            return
+        self._commit(end, dead)
+        self.position = end
+        self.stats.pending_since_ms = None
+
+    def _send(self, batch: list[tuple[Entry, Record]], dead: list[tuple[bytes, str, str]]) -> bool:
+        """Send until Ok or Reject (appending rejects to ``dead``); False when halted."""
         attempt = 0
+        records = [r for _, r in batch]
         while True:
-            entries = self._expired(entries)
-            if not entries:
-                break
-            records = [Record.from_body(e.body) for e in entries]
             result = self.sink.send(records)
             if isinstance(result, Ok):
                 self.stats.delivered += len(records)
-                self.stats.last_delivery_ms = entries[-1].appended_ms
-                self.stats.last_latency_ms = self._clock() * 1000 - entries[-1].appended_ms
+                self.stats.last_latency_ms = self._clock() * 1000 - batch[-1][0].appended_ms
+                self.stats.failing_since = None
                 self._errors.clear("send")
-                break
+                return True
             if isinstance(result, Reject):
-                if len(entries) > 1:  # find the bad one(s): the rest must still arrive
-                    for e in entries:
-                        self._deliver([e])
-                        if self.halt.is_set():
-                            return
-                    return
-                self._dead(records, result.reason, result.detail)
-                break
+                if len(batch) > 1:  # find the bad one(s): the rest must still arrive
+                    return all(self._send([pair], dead) for pair in batch)
+                dead.append((batch[0][1].body, result.reason, result.detail))
+                return True
             assert isinstance(result, Retry)
             delay = self.backoff.delay(attempt, self._rng, result.delay)
             attempt += 1
             self.stats.retries += 1
             self.stats.last_error = result.reason
+            if self.stats.failing_since is None:
+                self.stats.failing_since = time.monotonic()
             self._errors.log(logging.WARNING, "send", "sink %s: %s; retrying %d record(s) in %.2fs", self.name, result.reason, len(records), delay)
             if self.halt.wait(delay):
-                self.reader.rewind()
-                return
-        self.reader.commit(end)
-        self.stats.pending_since_ms = None
+                return False
+
+    def stuck(self) -> bool:
+        """Dead thread, or failing for longer than STUCK_AFTER."""
+        since = self.stats.failing_since
+        return not self.thread.is_alive() and not self.halt.is_set() or (
+            since is not None and time.monotonic() - since > self.stuck_after)
 
 
 class Dispatcher:
-    """Starts a worker per sink and stops them with a bounded drain."""
+    """The poller's outbox: commits to the store, runs a worker per sink and a supervisor."""
 
-    def __init__(
-        self,
-        journal: Journal,
-        sinks: Mapping[str, Sink],
-        deadletter_dir,
-        *,
-        backoff: Backoff | None = None,
-        max_age: Mapping[str, float | None] | None = None,
-    ) -> None:
-        self.journal = journal
+    def __init__(self, store: Store, sinks: Mapping[str, Sink], *, backoff: Backoff | None = None,
+                 max_age: Mapping[str, float | None] | None = None, stuck_after: float = STUCK_AFTER,
+                 supervise_every: float = SUPERVISE_EVERY) -> None:
+        self.store = store
         self.sinks = dict(sinks)
+        store.sinks = tuple(self.sinks)
         self.halt = threading.Event()
         backoff = backoff or Backoff()
         self.workers = {
-            name: SinkWorker(
-                name, sink, journal.reader(name), DeadLetters(deadletter_dir, name),
-                backoff=backoff, halt=self.halt, max_age=(max_age or {}).get(name),
-            )
+            name: SinkWorker(name, sink, store, backoff=backoff, halt=self.halt, max_age=(max_age or {}).get(name),
+                             stuck_after=stuck_after)
             for name, sink in self.sinks.items()
         }
+        self._supervise_every = supervise_every
+        self._inbox_pending = True  # entries queued while no agent ran
+        self._supervisor = threading.Thread(target=self._supervise, name="sink-supervisor", daemon=True)
 
     def start(self) -> None:
         for w in self.workers.values():
             w.start()
+        self._supervisor.start()
 
-    def append(self, records: Sequence[Record]) -> None:
-        """Outbox protocol: durable in the journal when this returns."""
-        self.journal.append([r.body for r in records])
+    def _supervise(self) -> None:
+        while not self.halt.wait(self._supervise_every):
+            for w in self.workers.values():
+                if not w.thread.is_alive() and not w.draining.is_set() and not self.halt.is_set():
+                    w.restart()
+
+    def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = ()) -> None:
+        """Outbox protocol: the records and the state they came from are durable when this returns."""
+        self.store.commit(records, state, inbox_ids=inbox_ids)
+
+    def inbox(self) -> list[tuple[int, object]]:
+        """Entries queued by other processes, looked at only when another connection wrote (or
+        the last look found some: they stay until the commit that consumes them succeeds)."""
+        if not (self.store.refresh() or self._inbox_pending):
+            return []
+        rows = self.store.inbox()
+        self._inbox_pending = bool(rows)
+        return rows
 
     def snapshot(self) -> dict[str, object]:
-        """Per-sink and journal figures for status.json."""
+        """Per-sink and store figures for status and metrics."""
         now_ms = time.time() * 1000
-        j = self.journal
+        try:
+            losses = self.store.losses()
+        except Exception:  # a failing disk must not take the status report and metrics down too
+            losses = {}
         sinks = {}
         for name, w in self.workers.items():
             pending = w.stats.pending_since_ms
+            try:
+                backlog = self.store.backlog(name, w.cursor)
+            except Exception:
+                backlog = None
             sinks[name] = {
-                "backlog": w.reader.backlog,
+                "backlog": backlog,
                 "oldest_undelivered_age_s": round((now_ms - pending) / 1000, 3) if pending else None,
                 "delivered": w.stats.delivered,
                 "retries": w.stats.retries,
                 "dead_lettered": w.stats.dead_lettered,
-                "dead_by_reason": dict(w.stats.dead_by_reason or {}),
+                "dead_by_reason": dict(w.stats.dead_by_reason),
+                "lost": losses.get(name, {}),
                 "last_error": w.stats.last_error,
                 "last_latency_ms": w.stats.last_latency_ms,
+                "store_errors": w.stats.store_errors,
+                "restarts": w.stats.restarts,
+                "stuck": w.stuck(),
             }
         return {
-            "journal": {
-                "next_index": j.next_index,
-                "oldest_index": j.oldest_index,
-                "size_bytes": j.size_bytes(),
-                "corrupt_skipped": dict(j.stats.corrupt_skipped),
-                "dropped_full": dict(j.stats.dropped_full),
-                "cursor_resets": dict(j.stats.cursor_resets),
-                "torn_bytes_truncated": j.stats.torn_bytes_truncated,
-                "append_failures": j.stats.append_failures,
+            "store": {
+                "path": str(self.store.path),
+                "next_index": self.store.next_index,
+                "size_bytes": self.store.size,
+                "max_size_bytes": self.store.max_size,
+                "append_failures": self.store.append_failures,
+                "lost": losses,
             },
             "sinks": sinks,
         }
 
-    def position(self) -> int:
-        return self.journal.next_index
-
     def close(self, drain_timeout: float) -> None:
-        """Let sinks drain for up to ``drain_timeout`` seconds, then stop them; cursors are flushed."""
+        """Let sinks drain for up to ``drain_timeout`` seconds, then stop them."""
         for w in self.workers.values():
             w.draining.set()
-        self.journal.wake()
+        self.store.wake()
         deadline = time.monotonic() + drain_timeout
         for w in self.workers.values():
             w.thread.join(max(0.0, deadline - time.monotonic()))
-        undelivered = {n: w.reader.backlog for n, w in self.workers.items() if w.thread.is_alive() or w.reader.backlog}
         self.halt.set()
-        self.journal.wake()
+        self.store.wake()
         for w in self.workers.values():
             w.thread.join(5.0)
-        for n, left in undelivered.items():
+        for name, w in self.workers.items():
+            try:
+                left = self.store.backlog(name, w.cursor)
+            except Exception:
+                left = 0
             if left:
-                log.warning("sink %s: %d record(s) not delivered before shutdown; they stay in the journal", n, left)
+                log.warning("sink %s: %d record(s) not delivered before shutdown; they stay in the store", name, left)
         for sink in self.sinks.values():
             sink.close()
-        self.journal.close()

@@ -2,18 +2,14 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Any
-
-import orjson
 
 from forwarder.differ import Change, diff
 from forwarder.document import Document, parse_document
@@ -26,7 +22,7 @@ from forwarder.logutil import RateLimitedLog
 from forwarder.records import RecordFactory, utcnow
 from forwarder.retry import Backoff
 from forwarder.sinkapi import Record
-from forwarder.state import AgentState, StateStore
+from forwarder.store import SavedState
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +45,15 @@ class PollStats:
 class Poller:
     """Polls IMDS at a fixed rate and turns every change of the document into records.
 
-    The document is committed as seen (state saved) only after the outbox has taken its records,
-    so a crash in between re-derives the same changes, with the same ids, on the next start.
+    A changed document is committed as seen together with its records and the sequence counter,
+    in one store transaction: a crash leaves either all of it or none (then the same changes are
+    derived again, with the same ids, on the next start).
     """
 
     def __init__(
         self,
         imds: ImdsClient,
-        store: StateStore,
-        state: AgentState,
+        state: SavedState,
         factory: RecordFactory,
         outbox: Outbox,
         *,
@@ -70,7 +66,6 @@ class Poller:
         boot_id: Callable[[], str | None] = read_boot_id,
     ) -> None:
         self.imds = imds
-        self.store = store
         self.state = state
         self.factory = factory
         self.outbox = outbox
@@ -103,14 +98,10 @@ class Poller:
         self._poll_waiters = 0
         self.inbox: deque[dict[str, Any]] = deque()
         self.on_changes: Callable[[list[Change], list[Record]], None] | None = None
-        self.spool_dir: Path | None = None
-        self._spool_mtime: int | None = None
 
     # -- one cycle -------------------------------------------------------------------------
     def poll_once(self) -> float:
         """One poll; returns how long to wait before the next one."""
-        if self.state.pending:
-            self.flush_pending()
         # Both clocks read before the request, so a slow answer is not taken for a pause.
         started_mono, started_wall = self._mono(), self._wall()
         try:
@@ -158,89 +149,54 @@ class Poller:
         self.inbox.append(entry)
 
     def drain_inbox(self, *, spool: bool = True) -> None:
-        """Journal queued audit entries and (with ``spool``) spooled ones, written by `sefwd approve`."""
-        spooled = self._spooled() if spool else []
-        if not spooled and not self.inbox:
+        """Commit queued audit entries and (with ``spool``) those `sefwd approve` put in the store's inbox."""
+        stored: list[tuple[int, object]] = []
+        if spool:
+            try:
+                stored = self.outbox.inbox()
+            except (OSError, ForwarderError) as exc:
+                self._errors.log(logging.ERROR, "inbox", "cannot read the approval inbox: %s", exc)
+        if not stored and not self.inbox:
             return
         queued: list[dict[str, Any]] = []
         while self.inbox:
             queued.append(self.inbox.popleft())
-        from_spool: list[dict[str, Any]] = []
-        for path in spooled:
-            try:
-                from_spool.append(orjson.loads(path.read_bytes()))
-            except (OSError, ValueError) as exc:
-                log.error("setting aside unreadable approval spool file %s: %s", path, exc)
-                path.rename(path.with_suffix(".bad"))
-        entries = [e for e in queued + from_spool if isinstance(e, dict) and e.get("Outcome")]
-        if not entries:
-            return
+        entries = [e for e in queued + [e for _, e in stored] if isinstance(e, dict) and e.get("Outcome")]
+        if len(entries) < len(queued) + len(stored):
+            log.error("dropping %d unreadable approval inbox entr(ies)", len(queued) + len(stored) - len(entries))
         for entry in entries:
             if entry.get("Outcome") == "approved" and isinstance(entry.get("EventIds"), list):
                 # All-or-nothing: an "approved" entry means IMDS accepted (now or before) every id.
                 ids = [i for i in entry["EventIds"] if isinstance(i, str)]
                 self.evidence.approval_accepted(ids, self._wall())
-        if self._emit(lambda: [self.factory.approval(e) for e in entries]):
-            for path in spooled:
-                path.unlink(missing_ok=True)  # (a file set aside above is already gone)
-        else:
-            self.inbox.extendleft(reversed(queued))  # spool files stay on disk and are retried
+        if not self._emit(lambda: [self.factory.approval(e) for e in entries], inbox_ids=[i for i, _ in stored]):
+            self.inbox.extendleft(reversed(queued))  # inbox rows stay in the store and are retried
 
-    def _spooled(self) -> list[Path]:
-        # One stat per turn, not a directory listing: the listing (and, with no spool directory
-        # yet, the exception) cost more CPU than the poll itself. A new file changes the mtime.
-        if self.spool_dir is None:
-            return []
-        try:
-            mtime = os.stat(self.spool_dir).st_mtime_ns
-        except FileNotFoundError:
-            return []
-        if mtime == self._spool_mtime:
-            return []
-        try:
-            with os.scandir(self.spool_dir) as it:
-                spooled = sorted(Path(e.path) for e in it if e.name.endswith(".json"))
-        except FileNotFoundError:
-            return []
-        # Only an empty listing of a directory untouched for a while is final: files left behind
-        # are retried, and a file renamed in within the same coarse mtime tick is not missed.
-        if not spooled and time.time_ns() - mtime > 2_000_000_000:
-            self._spool_mtime = mtime
-        return spooled
-
-    def _emit(self, build: Callable[[], list[Record]], *, document: Document | None = None, body: bytes | None = None) -> bool:
-        """Commit the new state with its records as a write-ahead, then journal them.
-
-        The records are saved in ``state.json`` together with the document they came from, so a
-        crash or a full disk between the two steps re-journals exactly the same bytes (same ids,
-        same times, same sequence numbers) instead of deriving them again from a later document.
-        """
-        if not self.flush_pending():
-            return False  # keep order: nothing new until the older records are in the journal
+    def _emit(self, build: Callable[[], list[Record]], *, document: Document | None = None, body: bytes | None = None,
+              inbox_ids: Sequence[int] = ()) -> bool:
+        """Commit the records with the state they came from in one transaction; False if the store refused."""
         sequence_before = self.factory.sequence
         records = build()
-        new_state = AgentState(
+        new_state = SavedState(
             sequence=self.factory.sequence,
             document=body.decode() if body is not None else self.state.document,
             api_version=self.factory.api_version,
             vm=self.factory.vm.to_dict(),
-            pending=[r.body.decode() for r in records],
-            pending_index=self.outbox.position(),
             evidence=self._evidence_after(document),
         )
         try:
-            self.store.save(new_state)
+            self.outbox.commit(records, new_state, inbox_ids=inbox_ids)
         except (OSError, ForwarderError) as exc:
             self.factory.sequence = sequence_before
             self.stats.outbox_errors += 1
-            self._errors.log(logging.ERROR, "outbox", "could not save state, will retry: %s", exc)
+            self._errors.log(logging.ERROR, "outbox", "could not commit %d record(s), will retry: %s", len(records), exc)
             return False
+        self._errors.clear("outbox")
         self.state = new_state
         if body is not None:
             self._last_body = body
             self.current = document
             self.evidence.document_committed()
-        self.flush_pending()
         return True
 
     def _evidence_after(self, document: Document | None) -> dict[str, Any]:
@@ -249,23 +205,6 @@ class Poller:
         if document is not None:
             saved["seen_boot_id"] = self.evidence.boot_id
         return saved
-
-    def flush_pending(self) -> bool:
-        """Journal the records of the last commit if they are not there yet (startup, after ENOSPC)."""
-        state = self.state
-        if not state.pending:
-            return True
-        if state.pending_index is not None and self.outbox.position() > state.pending_index:
-            state.pending = []  # a previous run journaled them before it stopped
-            return True
-        try:
-            self.outbox.append([Record.from_body(b.encode()) for b in state.pending])
-        except (OSError, ForwarderError) as exc:
-            self.stats.outbox_errors += 1
-            self._errors.log(logging.ERROR, "outbox", "could not journal %d record(s), will retry: %s", len(state.pending), exc)
-            return False
-        self._errors.clear("outbox")
-        state.pending = []  # on disk it is cleared by the next save; the index check covers a restart
         return True
 
     def _failed(self, exc: ImdsError) -> float:

@@ -17,7 +17,7 @@ from forwarder.sinkapi import Record
 SPEC_VERSION = "1.0"
 SEQUENCE_WIDTH = 20  # zero-padded so the string sorts like the number (fits any u64)
 EVENT_TYPE_PREFIX = "scheduledevent."
-LIFECYCLE_TYPES = ("forwarder.started", "forwarder.heartbeat", "forwarder.stopped")
+LIFECYCLE_TYPES = ("forwarder.started", "forwarder.heartbeat", "forwarder.stopped", "forwarder.data_lost")
 # Fixed namespace so the same change always gets the same id, on any machine, after any restart.
 _ID_NAMESPACE = uuid.UUID("6f0d6c1e-2b7a-5a53-9c1e-5e0f0bd0a7e1")
 

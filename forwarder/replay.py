@@ -1,4 +1,5 @@
-"""``sefwd deadletter replay SINK``: send a sink's dead letters again, with a progress bar."""
+"""``sefwd deadletter replay SINK``: send a sink's dead letters again, deleting each batch only once
+it is delivered, so a failed or killed replay loses nothing (at worst one batch arrives twice)."""
 from __future__ import annotations
 
 import random
@@ -7,9 +8,10 @@ import threading
 import time
 
 from forwarder.config import Config
-from forwarder.deadletter import DeadLetters, read_file
+from forwarder.errors import ForwarderError
 from forwarder.retry import Backoff
 from forwarder.sinkapi import Ok, Reject, Retry, SinkContext, load_sink_factory
+from forwarder.store import Store
 
 
 def _progress(done: int, total: int, start: float) -> None:
@@ -28,12 +30,16 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
     if sink_cfg is None:
         print(f"sefwd: no sink named {sink_name!r} in the config", file=sys.stderr)
         return 2
-    dead = DeadLetters(config.state.dir / "deadletter", sink_name)
-    taken = dead.take()
-    if taken is None:
+    try:
+        store = Store.open(config.state.dir)
+        letters = store.dead_letters(sink_name)
+    except ForwarderError as exc:
+        print(f"sefwd: {exc}", file=sys.stderr)
+        return 1
+    if not letters:
         print(f"sink {sink_name}: no dead letters", file=sys.stderr)
+        store.close()
         return 0
-    letters = read_file(taken)
     stop = threading.Event()
     sink = load_sink_factory(sink_cfg.type)(
         sink_cfg.options, SinkContext(name=sink_name, state_dir=config.state.dir / "sinks" / sink_name, stop=stop)
@@ -46,29 +52,30 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
     try:
         for i in range(0, len(letters), batch_size):
             chunk = letters[i : i + batch_size]
-            records = [dl.record for dl in chunk]
+            ids = [dl.id for dl in chunk]
             attempt = 0
             while True:
-                result = sink.send(records)
+                result = sink.send([dl.record for dl in chunk])
                 if isinstance(result, Ok):
-                    sent += len(records)
+                    store.settle_dead(ids)
+                    sent += len(chunk)
                     break
                 if isinstance(result, Reject) or time.monotonic() >= deadline:
-                    reason = result.reason if isinstance(result, (Reject, Retry)) else "unknown"
-                    dead.add(records, reason, getattr(result, "detail", "") or "replay gave up")
-                    failed += len(records)
+                    assert isinstance(result, (Reject, Retry))
+                    store.settle_dead(ids, result.reason, getattr(result, "detail", "") or "replay gave up")
+                    failed += len(chunk)
                     break
-                assert isinstance(result, Retry)
                 stop.wait(min(backoff.delay(attempt, rng, result.delay), max(0.0, deadline - time.monotonic())))
                 attempt += 1
             _progress(sent + failed, len(letters), start)
     except KeyboardInterrupt:
-        rest = [dl.record for dl in letters[sent + failed :]]
-        dead.add(rest, "replay_interrupted", "")
-        failed += len(rest)
+        failed = len(letters) - sent  # the rest are still dead letters: nothing was removed early
+    except Exception as exc:  # a store fault or a sink that raises: what was not delivered stays
+        print(f"sefwd: replay stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
+        failed = len(letters) - sent
     finally:
         sink.close()
-        taken.unlink()
+        store.close()
         if sys.stderr.isatty():
             sys.stderr.write("\n")
     print(f"sink {sink_name}: replayed {sent}, still dead {failed}", file=sys.stderr)

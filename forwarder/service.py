@@ -9,21 +9,20 @@ from typing import Any
 from forwarder import __version__
 from forwarder.config import Config
 from forwarder.dispatcher import Dispatcher
-from forwarder.journal import Journal
-from forwarder.errors import ConfigError, ImdsError
+from forwarder.errors import ConfigError, ImdsError, StateError
 from forwarder.extension_heartbeat import HeartbeatFile
 from forwarder.identity import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.poller import Poller
 from forwarder.records import RecordFactory, rfc3339
 from forwarder.retry import Backoff
+from forwarder.recovery import Loss, lock_state_dir, open_agent_store
 from forwarder.sinkapi import Sink, SinkContext, load_sink_factory
-from forwarder.state import AgentState, StateStore
 from forwarder.status import StatusReporter
+from forwarder.store import DB_FILE, SavedState, Store
 from forwarder.telemetry import NO_TELEMETRY, NullTelemetry, create_telemetry
 
 log = logging.getLogger(__name__)
-SPOOL_DIR = "spool"
 
 
 def build_sinks(config: Config, stop: threading.Event, *, pretty: bool = False) -> dict[str, Sink]:
@@ -44,7 +43,7 @@ def build_sinks(config: Config, stop: threading.Event, *, pretty: bool = False) 
     return sinks
 
 
-def resolve_identity(imds: ImdsClient, state: AgentState) -> VmIdentity:
+def resolve_identity(imds: ImdsClient, state: SavedState) -> VmIdentity:
     """Instance metadata at start; the saved identity if IMDS cannot say (ids must stay stable)."""
     try:
         vm = VmIdentity.from_compute(imds.compute())
@@ -70,33 +69,24 @@ class Agent:
         self.callback: Any = None
         self.telemetry: NullTelemetry = NO_TELEMETRY
         self.ready = threading.Event()
+        self.loss: Loss | None = None
+        self.refusals: Any = None
 
-    def _outbox(self) -> Dispatcher:
+    def _outbox(self, store: Store) -> Dispatcher:
         cfg = self.config
         sinks = self.telemetry.instrument_sinks(build_sinks(cfg, self.stop, pretty=self.pretty))
-        journal = Journal(
-            cfg.state.dir / "journal",
-            segment_size=cfg.journal.segment_size,
-            max_size=cfg.journal.max_size,
-            fsync=cfg.journal.fsync,
-        )
         backoff = Backoff(
             initial=cfg.delivery.retry_initial,
             maximum=cfg.delivery.retry_max,
             retry_after_cap=cfg.delivery.retry_after_cap,
         )
-        dispatcher = Dispatcher(
-            journal, sinks, cfg.state.dir / "deadletter", backoff=backoff,
-            max_age={s.name: s.max_age for s in cfg.sinks},
-        )
+        dispatcher = Dispatcher(store, sinks, backoff=backoff, max_age={s.name: s.max_age for s in cfg.sinks})
         dispatcher.start()
         return dispatcher
 
     def _start_approvals(self, poller: Poller, imds: ImdsClient) -> None:
         """Policy, hooks and the callback server, only when configured (none is by default)."""
         ap = self.config.approval
-        poller.spool_dir = self.config.state.dir / SPOOL_DIR
-        poller.spool_dir.mkdir(parents=True, exist_ok=True)  # so the poller's per-turn look is one stat
         if not (ap.rules or ap.hooks or ap.callback):
             return
         from forwarder.approval.approver import Approver
@@ -113,23 +103,30 @@ class Agent:
         if ap.callback is not None:
             from forwarder.approval.approver import audit_entry
             from forwarder.approval.callback import CallbackServer, Verdict
+            from forwarder.approval.refusals import RefusalAggregator
 
             def decide(request: Any) -> Any:
                 attempt = approver.approve(request.event_ids, actor="callback", approver=request.approver,
                                            client=request.client, reason=request.reason)
                 return Verdict(attempt.status, attempt.answer())
 
-            def audit(fields: dict[str, object]) -> None:
+            def submit(fields: dict[str, object]) -> None:
                 poller.submit_audit(audit_entry(str(fields.get("Outcome") or "refused"), "callback",
                                                 str(fields.get("Reason") or "refused"),
                                                 **{k: v for k, v in fields.items() if k not in ("Outcome", "Actor", "Reason")}))
 
-            self.callback = CallbackServer(ap.callback, decide, audit, self.config.state.dir / "callback-replay.log").start()
+            # One approval.refused record per reason and client per window, with a count: a flood
+            # of refused requests cannot fill the store or push real events out.
+            self.refusals = refusals = RefusalAggregator(submit, self.stop)
+            refusals.start()
+            self.callback = CallbackServer(ap.callback, decide, refusals.submit, self.config.state.dir / DB_FILE).start()
             log.info("approval callback listening on %s", self.callback.url)
 
     def snapshot(self, outbox: Dispatcher, poller: Poller) -> dict[str, object]:
         st = poller.stats
         data = outbox.snapshot()
+        if self.loss is not None:
+            data["data_lost"] = self.loss.record_data()
         data["imds"] = {
             "endpoint": self.config.imds.endpoint,
             "api_version": self.config.imds.api_version,
@@ -142,12 +139,33 @@ class Agent:
         }
         return data
 
+    def _open_store(self) -> tuple[Store, SavedState] | None:
+        """The store, retried while the disk refuses (full, I/O errors): no crash loop; None if stopped."""
+        cfg = self.config
+        attempt = 0
+        while True:
+            try:
+                store, self.loss = open_agent_store(cfg.state.dir, fsync=cfg.journal.fsync, max_size=cfg.journal.max_size)
+                try:
+                    return store, store.load_state()
+                except StateError:
+                    store.close()
+                    raise
+            except StateError as exc:
+                delay = min(30.0, 1.0 * 2 ** attempt)
+                attempt += 1
+                log.error("cannot open the store, retrying in %.0fs: %s", delay, exc)
+                if self.stop.wait(delay):
+                    return None
+
     def run(self) -> int:
         cfg = self.config
-        store = StateStore(cfg.state.dir)
-        store.lock()
+        lock = lock_state_dir(cfg.state.dir)
         try:
-            state = store.load()
+            opened = self._open_store()
+            if opened is None:
+                return 1
+            store, state = opened
             resumed = state.document is not None
             imds = ImdsClient(
                 cfg.imds.endpoint,
@@ -160,18 +178,17 @@ class Agent:
             )
             # Before the sinks are built, so they can be observed; a no-op unless [telemetry] is set.
             telemetry = self.telemetry = create_telemetry(cfg.telemetry, cfg.state.dir)
-            outbox = self._outbox()
+            outbox = self._outbox(store)
             try:
                 vm = resolve_identity(imds, state)
                 factory = RecordFactory(vm, cfg.imds.api_version, sequence=state.sequence)
                 self.poller = poller = Poller(
-                    telemetry.instrument_imds(imds), store, state, factory, telemetry.instrument_outbox(outbox),
+                    telemetry.instrument_imds(imds), state, factory, telemetry.instrument_outbox(outbox),
                     poll_interval=cfg.imds.poll_interval,
                     heartbeat=cfg.agent.heartbeat,
                     compute_refresh=cfg.imds.compute_refresh,
                     stop=self.stop,
                 )
-                poller.flush_pending()  # records of a commit interrupted by a crash or a full disk
                 log.info(
                     "sefwd %s started: VM %s, IMDS %s (api-version %s, every %.3gs), state %s, sinks %s",
                     __version__, vm.source, cfg.imds.endpoint, cfg.imds.api_version,
@@ -181,8 +198,10 @@ class Agent:
                     "started", Resumed=resumed, Pid=os.getpid(), Sinks=[s.name for s in cfg.sinks],
                     PollIntervalSeconds=cfg.imds.poll_interval,
                 )
+                if self.loss is not None:  # every sink hears what was lost, with counts and reasons
+                    poller.emit_lifecycle("data_lost", **self.loss.record_data())
                 self._start_approvals(poller, imds)
-                reporter = StatusReporter(cfg.state.dir, lambda: self.snapshot(outbox, poller), self.stop)
+                reporter = StatusReporter(store, lambda: self.snapshot(outbox, poller), self.stop)
                 reporter.write()
                 reporter.start()
                 if cfg.agent.heartbeat_file is not None:  # set by the Azure VM extension
@@ -194,6 +213,8 @@ class Agent:
                 if self.callback is not None:  # no new approvals once stopping
                     self.callback.stop()
                     self.callback = None
+                if self.refusals is not None:
+                    self.refusals.flush(force=True)
                 poller.drain_inbox()
                 # Stopping: the stopped record must still get out, so do not let `stop` abort it.
                 poller.emit_lifecycle("stopped", Reason="shutdown", UptimeSeconds=poller.heartbeat_data()["UptimeSeconds"])
@@ -206,9 +227,11 @@ class Agent:
                 telemetry.stop()  # after the drain, so the last deliveries are counted
                 imds.close()
                 if self.poller is not None:
-                    StatusReporter(cfg.state.dir, lambda: self.snapshot(outbox, poller), self.stop).write(stopped=True)
+                    StatusReporter(store, lambda: self.snapshot(outbox, poller), self.stop).write(stopped=True)
+                store.close()
         finally:
-            store.unlock()
+            if lock is not None:
+                os.close(lock)
         log.info("sefwd stopped")
         return 0
 

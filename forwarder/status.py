@@ -1,6 +1,7 @@
-"""The agent's self-report (``status.json``) and its reading by ``sefwd status``."""
+"""The agent's self-report (kept in the store's meta table) and its reading by ``sefwd status``."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -11,17 +12,13 @@ from typing import Any
 import orjson
 
 from forwarder import __version__
-from forwarder.deadletter import sinks_with_dead_letters
+from forwarder.errors import ForwarderError
+from forwarder.logutil import RateLimitedLog
 from forwarder.records import rfc3339, utcnow
+from forwarder.store import DB_FILE, Store
 
-STATUS_FILE = "status.json"
-
-
-def write_status(path: Path, data: dict[str, Any]) -> None:
-    """Replace atomically, without fsync: status is advisory and rewritten every few seconds."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
-    os.replace(tmp, path)
+STATUS_KEY = "status"
+log = logging.getLogger(__name__)
 
 
 def _steady(data: dict[str, Any]) -> dict[str, Any]:
@@ -33,22 +30,23 @@ def _steady(data: dict[str, Any]) -> dict[str, Any]:
 
 
 class StatusReporter:
-    """Writes ``status.json`` from a snapshot callable: within ``interval`` seconds of a change, and
+    """Writes the status report from a snapshot callable: within ``interval`` seconds of a change, and
     at least every ``refresh`` seconds so the last-poll time stays current.
 
     A rewrite costs about a millisecond of CPU (serialize, write, rename); doing it every couple of
     seconds on an idle agent cost more than the polls themselves (README: performance).
     """
 
-    def __init__(self, state_dir: Path, snapshot: Callable[[], dict[str, Any]], stop: threading.Event,
+    def __init__(self, store: Store, snapshot: Callable[[], dict[str, Any]], stop: threading.Event,
                  interval: float = 5.0, refresh: float = 30.0) -> None:
-        self.path = state_dir / STATUS_FILE
+        self.store = store
         self._snapshot = snapshot
         self._stop = stop
         self._interval = interval
         self._refresh = refresh
         self._written: dict[str, Any] | None = None
         self._written_at = 0.0
+        self._errors = RateLimitedLog(log)
         self._thread = threading.Thread(target=self._run, name="status", daemon=True)
 
     def start(self) -> None:
@@ -56,9 +54,12 @@ class StatusReporter:
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
-            data = self._snapshot()
-            if _steady(data) != self._written or time.monotonic() - self._written_at >= self._refresh:
-                self.write(data)
+            try:
+                data = self._snapshot()
+                if _steady(data) != self._written or time.monotonic() - self._written_at >= self._refresh:
+                    self.write(data)
+            except Exception as exc:  # the report is advisory: it must never stop for good
+                self._errors.log(logging.ERROR, "status", "cannot write the status report: %s", exc)
 
     def write(self, data: dict[str, Any] | None = None, **extra: Any) -> None:
         data = self._snapshot() if data is None else data
@@ -69,9 +70,10 @@ class StatusReporter:
         data["pid"] = os.getpid()
         data["version"] = __version__
         try:
-            write_status(self.path, data)
-        except OSError:
-            pass  # a full disk must not stop the agent over a report file
+            with self.store.transaction() as c:
+                c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (STATUS_KEY, orjson.dumps(data)))
+        except (OSError, ForwarderError):
+            pass  # a full disk must not stop the agent over a report
 
 
 def agent_running(state_dir: Path) -> bool:
@@ -79,7 +81,7 @@ def agent_running(state_dir: Path) -> bool:
     try:
         import fcntl
     except ImportError:
-        return (state_dir / STATUS_FILE).exists()
+        return True  # Windows: the service manager knows; say so rather than guess
     try:
         fd = os.open(state_dir / "agent.lock", os.O_RDWR)
     except FileNotFoundError:
@@ -94,20 +96,33 @@ def agent_running(state_dir: Path) -> bool:
 
 
 def read_status(state_dir: Path) -> dict[str, Any]:
-    """Everything ``sefwd status`` shows, from files only (works with the agent up or down)."""
-    out: dict[str, Any] = {"state_dir": str(state_dir), "running": agent_running(state_dir)}
+    """Everything ``sefwd status`` shows, read from the store (works with the agent up or down)."""
+    out: dict[str, Any] = {"state_dir": str(state_dir), "running": agent_running(state_dir), "agent": None,
+                           "document_incarnation": None, "current_events": [], "dead_letters": {}, "backlog": {},
+                           "lost": {}}
+    if not (state_dir / DB_FILE).is_file():
+        return out
     try:
-        out["agent"] = orjson.loads((state_dir / STATUS_FILE).read_bytes())
-    except (OSError, ValueError):
-        out["agent"] = None
+        store = Store.open(state_dir)
+    except ForwarderError as exc:
+        out["error"] = str(exc)
+        return out
     try:
-        state = orjson.loads((state_dir / "state.json").read_bytes())
-        doc = orjson.loads(state["document"]) if state.get("document") else None
-    except (OSError, ValueError, KeyError, TypeError):
-        doc = None
-    out["document_incarnation"] = doc.get("DocumentIncarnation") if isinstance(doc, dict) else None
-    out["current_events"] = doc.get("Events", []) if isinstance(doc, dict) else []
-    out["dead_letters"] = sinks_with_dead_letters(state_dir / "deadletter")
+        meta = store.meta()
+        try:
+            out["agent"] = orjson.loads(meta[STATUS_KEY]) if meta.get(STATUS_KEY) else None
+            doc = orjson.loads(meta["document"]) if meta.get("document") else None
+        except (ValueError, TypeError):
+            doc = None
+        out["document_incarnation"] = doc.get("DocumentIncarnation") if isinstance(doc, dict) else None
+        out["current_events"] = doc.get("Events", []) if isinstance(doc, dict) else []
+        out["dead_letters"] = store.dead_counts()
+        out["backlog"] = {s: store.backlog(s, n) for s, n in store.query("SELECT sink, next FROM cursors")}
+        out["lost"] = store.losses()
+    except ForwarderError as exc:
+        out["error"] = str(exc)
+    finally:
+        store.close()
     return out
 
 
@@ -131,22 +146,27 @@ def format_status(s: dict[str, Any]) -> str:
             f"last poll ok: {imds.get('last_poll_ok') or 'never'}; polls {imds.get('polls', 0)}, "
             f"IMDS errors {imds.get('imds_errors', 0)}, bad documents {imds.get('bad_documents', 0)}{age}"
         )
-        j = agent.get("journal", {})
-        lines.append(f"journal: {j.get('size_bytes', 0)} bytes, records {j.get('oldest_index', 0)}..{j.get('next_index', 0)}")
+        st = agent.get("store", {})
+        lines.append(f"store: {st.get('path', '')}, {st.get('size_bytes', 0)} bytes of records, next {st.get('next_index', 0)}")
         for name, sk in sorted(agent.get("sinks", {}).items()):
             oldest = sk.get("oldest_undelivered_age_s")
             lines.append(
-                f"  sink {name}: backlog {sk.get('backlog', 0)}"
+                f"  sink {name}: " + ("STUCK, " if sk.get("stuck") else "") + f"backlog {s['backlog'].get(name, sk.get('backlog', 0))}"
                 + (f" (oldest {oldest:.1f}s)" if oldest is not None else "")
                 + f", delivered {sk.get('delivered', 0)}, retries {sk.get('retries', 0)}, "
                 f"dead letters {s['dead_letters'].get(name, 0)}"
                 + (f", last error {sk['last_error']}" if sk.get("last_error") else "")
             )
-        for what in ("corrupt_skipped", "dropped_full", "cursor_resets"):
-            if j.get(what):
-                lines.append(f"  journal {what.replace('_', ' ')}: {j[what]}")
+        if agent.get("data_lost"):
+            lost = agent["data_lost"]
+            lines.append(f"DATA LOST at start: {lost.get('Reason')} ({lost.get('Detail')}); set aside as {lost.get('RenamedTo')}")
     else:
         lines.append("no status report yet (the agent has not run with this state dir)")
+    for name, reasons in sorted(s.get("lost", {}).items()):
+        lines.append(f"  lost ({'whole store' if name == '*' else 'sink ' + name}): "
+                     + ", ".join(f"{r} {n}" for r, n in sorted(reasons.items())))
+    if s.get("error"):
+        lines.append(f"store unreadable: {s['error']}")
     extra = {k: v for k, v in s["dead_letters"].items() if k not in (agent.get("sinks") or {})}
     for name, n in extra.items():
         lines.append(f"  sink {name} (not configured now): dead letters {n}")
@@ -159,6 +179,3 @@ def format_status(s: dict[str, Any]) -> str:
         )
     return "\n".join(lines)
 
-
-def now_ms() -> int:
-    return int(time.time() * 1000)

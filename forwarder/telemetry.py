@@ -11,8 +11,8 @@ no hooks of its own:
 * the poller's outbox — records journaled by type, approvals by outcome, and whether the
   journal can still be appended to.
 
-Backlog, oldest-undelivered age, deliveries, retries, dead letters and journal losses per sink
-are read from ``Dispatcher.snapshot()`` when metrics are collected (observable instruments).
+Backlog, oldest-undelivered age, deliveries, retries, dead letters, store losses and whether a
+sink is stuck are read from ``Dispatcher.snapshot()`` when metrics are collected (observable instruments).
 The MeterProvider is the agent's own, never the global one.
 """
 from __future__ import annotations
@@ -38,6 +38,7 @@ from forwarder.sinkapi import Ok, Record, Reject, Result, Sink
 if TYPE_CHECKING:
     from forwarder.config import TelemetryConfig
     from forwarder.delivery import Outbox
+    from forwarder.store import SavedState
     from forwarder.imds import Fetch, ImdsClient
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,7 @@ class Health:
         self._journal_error: str | None = None
         self._poller: Any = None
         self._outbox_errors_seen = 0
+        self.stuck_sinks: Callable[[], list[str]] = list  # sinks whose worker is dead or failing for long
 
     def poll(self, ok: bool, error: str | None = None) -> None:
         now = self._clock()
@@ -157,6 +159,10 @@ class Health:
                 journal_error = "the poller cannot commit records (see the agent's log)"
             if journal_error is not None:
                 problems.append(f"records cannot be journaled: {journal_error}")
+        stuck = self.stuck_sinks()
+        if stuck:
+            problems.append(f"sink(s) stuck (failing for long, see status): {', '.join(stuck)}")
+        with self._lock:
             body = {
                 "status": "unhealthy" if problems else "ok",
                 "problems": problems,
@@ -169,6 +175,7 @@ class Health:
                     "unhealthy_after_s": self.unhealthy_after,
                 },
                 "journal": {"ok": journal_error is None},
+                "stuck_sinks": stuck,
             }
         return not problems, body
 
@@ -242,16 +249,16 @@ class _ObservedOutbox:
         self._outbox = outbox
         self._telemetry = telemetry
 
-    def append(self, records: Sequence[Record]) -> None:
+    def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = ()) -> None:
         try:
-            self._outbox.append(records)
+            self._outbox.commit(records, state, inbox_ids=inbox_ids)
         except BaseException as exc:
             self._telemetry.observe_append(records, exc)
             raise
         self._telemetry.observe_append(records)
 
-    def position(self) -> int:
-        return self._outbox.position()
+    def inbox(self) -> list[tuple[int, object]]:
+        return self._outbox.inbox()
 
     def close(self, drain_timeout: float) -> None:
         self._outbox.close(drain_timeout)
@@ -437,10 +444,9 @@ class Telemetry(NullTelemetry):
                     for name, v in sinks.items() for reason, n in (v.get("dead_by_reason") or {}).items()]
 
         def lost(options: CallbackOptions) -> list[Observation]:
-            journal = self._snapshot().get("journal") or {}
+            store = self._snapshot().get("store") or {}
             return [Observation(n, {"sink": name, "reason": reason})
-                    for reason in ("dropped_full", "corrupt_skipped")
-                    for name, n in (journal.get(reason) or {}).items()]
+                    for name, reasons in (store.get("lost") or {}).items() for reason, n in reasons.items()]
 
         def healthy(options: CallbackOptions) -> list[Observation]:
             return [Observation(1 if self.health.report()[0] else 0)]
@@ -452,11 +458,13 @@ class Telemetry(NullTelemetry):
         meter.create_observable_counter("sefwd.sink.dead_letters", [dead_letters], "1",
                                         "Records moved to dead letters, per sink and reason")
         meter.create_observable_counter("sefwd.sink.lost", [lost], "1",
-                                        "Records a sink lost from the journal (full, or corrupt), per reason")
+                                        "Records lost from the store (size cap, damage; sink '*' = whole store), per reason")
         meter.create_observable_gauge("sefwd.sink.backlog", [per_sink("backlog")], "1",
                                       "Journaled records not yet delivered, per sink")
         meter.create_observable_gauge("sefwd.sink.oldest_undelivered_age", [per_sink("oldest_undelivered_age_s", 0.0)],
                                       "s", "Age of the oldest record being delivered, per sink (0 when idle)")
+        meter.create_observable_gauge("sefwd.sink.stuck", [per_sink("stuck")], "1",
+                                      "1 when a sink's worker is dead or its sends have failed for long")
         meter.create_observable_gauge("sefwd.healthy", [healthy], "1", "1 when /healthz says ok")
 
     def _snapshot(self) -> Mapping[str, Any]:
@@ -482,6 +490,8 @@ class Telemetry(NullTelemetry):
         """Where the observable gauges read from (``Dispatcher.snapshot``) and the poller's counters."""
         if snapshot is not None:
             self._snapshot_fn = snapshot
+            self.health.stuck_sinks = lambda: sorted(
+                name for name, v in (self._snapshot().get("sinks") or {}).items() if v.get("stuck"))
         if poller is not None:
             self.health.bind_poller(poller)
 

@@ -8,23 +8,20 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
 from forwarder.approval.settings import ApprovalConfig
 from forwarder.approval.scope import scope_refusal
 from forwarder.differ import Change
 from forwarder.document import Document, parse_document
-from forwarder.errors import DocumentError, ImdsError
+from forwarder.errors import DocumentError, ForwarderError, ImdsError
 from forwarder.identity import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.sinkapi import Record
-from forwarder.state import atomic_write
+from forwarder.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +33,7 @@ OUTCOMES = (APPROVED, REFUSED, FAILED, HELD)
 AUDIT_FIELDS = (
     "EventId", "EventIds", "Outcome", "Actor", "Approver", "Rule", "Reason", "Detail", "Client",
     "HttpStatus", "ImdsStatus", "Hook", "DocumentIncarnation",
+    "Count",  # refused callback requests of one reason and client aggregated over a window
 )
 MAX_PARALLEL_TASKS = 8
 
@@ -81,30 +79,31 @@ class Attempt:
 
 
 class ApprovedLog:
-    """EventIds this VM approved, kept across restarts so a retry is answered "already approved"."""
+    """EventIds this VM approved, kept in the store across restarts so a retry is answered "already approved"."""
 
-    def __init__(self, path: Path, keep: int = 1000) -> None:
-        self.path = path
+    def __init__(self, state_dir: Path, keep: int = 1000) -> None:
+        self.state_dir = state_dir
         self.keep = keep
-        self._ids: dict[str, float] = {}
-        try:
-            raw = orjson.loads(path.read_bytes())
-            self._ids = {str(k): float(v) for k, v in raw.items()}
-        except (OSError, ValueError, AttributeError, TypeError):
-            pass
+        self._store: Store | None = None
+
+    def _db(self) -> Store:
+        if self._store is None:  # opened on first use: `sefwd approve` and the agent share the file
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self._store = Store.open(self.state_dir)
+        return self._store
 
     def __contains__(self, event_id: object) -> bool:
-        return isinstance(event_id, str) and event_id.lower() in self._ids
+        try:
+            return isinstance(event_id, str) and self._db().approved(event_id)
+        except ForwarderError as exc:
+            log.warning("cannot read approvals given: %s", exc)
+            return False
 
     def add(self, event_ids: Sequence[str]) -> None:
-        for event_id in event_ids:
-            self._ids[event_id.lower()] = time.time()
-        if len(self._ids) > self.keep:
-            self._ids = dict(sorted(self._ids.items(), key=lambda kv: kv[1])[-self.keep :])
         try:
-            atomic_write(self.path, orjson.dumps(self._ids))
-        except OSError as exc:
-            log.warning("could not save %s: %s", self.path, exc)
+            self._db().add_approvals(event_ids, self.keep)
+        except (OSError, ForwarderError) as exc:
+            log.warning("could not save approvals given: %s", exc)
 
 
 class Approver:
@@ -124,7 +123,7 @@ class Approver:
         self.vm = vm
         self.audit = audit
         self.stop = stop
-        self.approved = ApprovedLog(state_dir / "approved.json")
+        self.approved = ApprovedLog(state_dir)
         self._lock = threading.Lock()  # one fresh GET + POST at a time
         self._tasks = threading.BoundedSemaphore(MAX_PARALLEL_TASKS)
         self.posts = 0

@@ -28,7 +28,9 @@ def test_journal_benchmark_writes_its_figures(tmp_path: Path) -> None:
     journal = doc["results"]["journal"]
     assert set(journal["figures"]["sefwd_rec_per_s"]) == {"append_batched", "append_single", "drain"}
     assert set(journal["figures"]["persist_queue_rec_per_s"]) == {"put", "drain"}
-    assert {"append_vs_persist_queue", "drain_vs_persist_queue", "fsync_ms_median"} <= set(journal["figures"])
+    assert set(journal["figures"]["persist_queue_batched_rec_per_s"]) == {"put", "drain"}
+    assert {"append_vs_persist_queue", "drain_vs_persist_queue", "fsync_ms_median",
+            "append_single_vs_fsync_floor"} <= set(journal["figures"])
     assert journal["goals"] and all(isinstance(g["pass"], bool) for g in journal["goals"])
     assert journal["pass"] == all(g["pass"] for g in journal["goals"])
     assert "journal" in proc.stdout
@@ -91,7 +93,7 @@ def test_quick_suite_runs_every_benchmark_writes_the_summary_and_draws_the_plots
     for key, where in SUMMARY.items():
         if isinstance(where, dict):
             assert all(doc["summary"][key][k] is not None for k in where), key
-    assert len(doc["goals"]) == 10 and all(isinstance(g["pass"], bool) for g in doc["goals"])
+    assert len(doc["goals"]) == 11 and all(isinstance(g["pass"], bool) for g in doc["goals"])
     assert (proc.returncode == 0) == (all(r["pass"] for r in doc["results"].values()) and all(g["pass"] for g in doc["goals"]))
     for png in ("latency.png", "footprint.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png

@@ -71,12 +71,17 @@ def count_audits(out) -> int:
     return len([r for r in read_jsonl(out) if r["type"].startswith("approval.")])
 
 
-def refused(agent, body: bytes, headers: dict[str, str], status: int, reason: str) -> None:
+def refused(agent, body: bytes, headers: dict[str, str], status: int, reason: str, *, repeat: bool = False) -> None:
+    """A refusal is audited at once when it is the first of its reason from this client in the
+    window; a ``repeat`` is only counted, into one record at the end of the window (or at stop)."""
     before = count_audits(agent["out"])
     posts = len(agent["emu"].stats()["start_requests"])
     answer = requests.post(agent["url"], data=body, headers=headers, timeout=10)
     assert answer.status_code == status, answer.text
     assert answer.json()["reason"].startswith(reason), answer.text
+    if repeat:
+        assert len(agent["emu"].stats()["start_requests"]) == posts, "no IMDS POST for a refused request"
+        return
     new = wait_until(lambda: audits(agent["out"], before), 30, f"audit of {reason}")
     assert [a["type"] for a in new] == ["approval.refused"]
     assert new[0]["data"]["Actor"] == "callback" and new[0]["data"]["Reason"].startswith(reason)
@@ -89,11 +94,11 @@ def test_bad_requests_are_refused_audited_and_never_posted(agent):
     wait_until(lambda: any(r.get("subject") == event for r in read_jsonl(agent["out"])), 30, "event seen")
     good = body_for(event, approver="tests")
     refused(agent, good, {**signed(good), "webhook-signature": "v1,AAAA"}, 401, "bad_signature")
-    refused(agent, good, signed(good, key=parse_secret(generate_secret())), 401, "bad_signature")
+    refused(agent, good, signed(good, key=parse_secret(generate_secret())), 401, "bad_signature", repeat=True)
     for missing in ("webhook-id", "webhook-timestamp", "webhook-signature"):
         headers = signed(good)
         del headers[missing]
-        refused(agent, good, headers, 401, "missing_headers")
+        refused(agent, good, headers, 401, "missing_headers", repeat=missing != "webhook-id")
     refused(agent, good, signed(good, now=time.time() - 600), 401, "stale_timestamp")
     refused(agent, good, signed(good, now=time.time() + 600), 401, "future_timestamp")
     big = body_for(event, reason="x" * 5000)
@@ -147,6 +152,12 @@ def test_replay_cache_survives_a_restart(agent, tmp_path):
     wait_until(lambda: any(r["type"] == "approval.approved" and r["subject"] == event for r in read_jsonl(agent["out"])),
                30, "approval audited")
     assert agent["proc"].terminate() == 0
+    # Stopping flushed the refusals counted since their first record: one record each, with a count.
+    counted: dict[str, int] = {}
+    for r in read_jsonl(agent["out"]):
+        if r["type"] == "approval.refused":
+            counted[r["data"]["Reason"]] = counted.get(r["data"]["Reason"], 0) + (r["data"]["Count"] or 1)
+    assert counted["bad_signature"] == 2 and counted["missing_headers"] == 3, counted
     agent["proc"] = AgentProcess(agent["config"], agent["tmp"] / "a2.log", env={"CB_SECRET": SECRET})
     port = int(agent["url"].split(":")[2].split("/")[0])
     wait_until(lambda: _reachable(port), 60, "callback back")

@@ -71,7 +71,7 @@ def harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Harness]:
         host="127.0.0.1", port=0, keys=(KEY_A, KEY_B), max_body=MAX_BODY, rate_limit=10**6,
         client_timeout=2.0, tolerance=TOLERANCE,
     )
-    server = CallbackServer(config, rec.decide, rec.audit, tmp_path_factory.mktemp("fuzz") / "replay.log").start()
+    server = CallbackServer(config, rec.decide, rec.audit, tmp_path_factory.mktemp("fuzz") / "state.db").start()
     try:
         yield Harness(server, rec, int(server.url.rsplit(":", 1)[1]), [])
     finally:

@@ -6,6 +6,7 @@ import logging
 import select
 import socket
 import ssl
+import sqlite3
 import threading
 import time
 import uuid
@@ -19,7 +20,6 @@ import requests
 import trustme
 from standardwebhooks.webhooks import Webhook
 
-from forwarder.approval import replay as replay_module
 from forwarder.approval.callback import ApprovalRequest, CallbackServer, Verdict
 from forwarder.approval.replay import ReplayCache
 from forwarder.approval.settings import CallbackSettings
@@ -88,7 +88,7 @@ def make_server(tmp_path: Path, rec: Recorder) -> Iterator[Callable[..., Callbac
 
     def make(clock: Callable[[], float] = time.time, max_connections: int = 32, **overrides: Any) -> CallbackServer:
         server = CallbackServer(
-            make_settings(**overrides), rec.decide, rec.audit, tmp_path / "replay.log",
+            make_settings(**overrides), rec.decide, rec.audit, tmp_path / "state.db",
             clock=clock, max_connections=max_connections,
         )
         started.append(server.start())
@@ -561,7 +561,7 @@ def test_tls(make_server, rec, tls_files):
 # -- the replay cache alone ----------------------------------------------------------------------------
 def test_replay_cache_persists_and_expires(tmp_path):
     clock = Clock()
-    path = tmp_path / "replay.log"
+    path = tmp_path / "state.db"
     cache = ReplayCache(path, window=600, clock=clock)
     assert not cache.seen("a")
     cache.add("a")
@@ -569,49 +569,33 @@ def test_replay_cache_persists_and_expires(tmp_path):
     assert cache.add_if_new("b") and not cache.add_if_new("a")
     assert cache.add_if_new("msg_in_clear") and cache.seen("msg_in_clear")
     cache.close()
-    assert "msg_in_clear" not in path.read_text()  # ids are stored hashed: one fixed-size line each
+    db = sqlite3.connect(path)
+    assert all(len(d) == 64 for (d,) in db.execute("SELECT digest FROM webhook_ids"))  # ids are stored hashed
+    db.close()
     reopened = ReplayCache(path, window=600, clock=clock)
     assert reopened.seen("a") and reopened.seen("b") and not reopened.seen("c")
     clock.now += 301
     assert not reopened.seen("a") and reopened.seen("b")
     reopened.close()
-    # Reloading drops the expired entry from the file too.
-    again = ReplayCache(path, window=600, clock=clock)
-    assert len(path.read_text().splitlines()) == 2 and again.seen("b") and again.seen("msg_in_clear")
-    again.close()
 
 
-def test_replay_cache_survives_a_torn_line(tmp_path):
+def test_replay_cache_stays_bounded_by_its_window(tmp_path):
     clock = Clock()
-    path = tmp_path / "replay.log"
-    cache = ReplayCache(path, window=600, clock=clock)
-    cache.add("a")
-    cache.close()
-    with path.open("a") as f:
-        f.write("12345.6 deadbe")  # a crash mid-append
-    reopened = ReplayCache(path, window=600, clock=clock)
-    assert reopened.seen("a") and len(reopened) == 1
-    reopened.add("b")
-    reopened.close()
-    assert ReplayCache(path, window=600, clock=clock).seen("b")
-
-
-def test_replay_cache_compacts_as_it_grows(tmp_path, monkeypatch):
-    monkeypatch.setattr(replay_module, "_COMPACT_SLACK", 5)
-    clock = Clock()
-    path = tmp_path / "replay.log"
+    path = tmp_path / "state.db"
     cache = ReplayCache(path, window=10, clock=clock)
     for n in range(100):
         cache.add(f"id-{n}")
         clock.now += 1
     assert len(cache) <= 11
-    assert len(path.read_text().splitlines()) <= 2 * 11 + 5 + 1
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT count(*) FROM webhook_ids").fetchone()[0] <= 12  # expired rows are deleted
+    db.close()
     assert cache.seen("id-99") and not cache.seen("id-0")
     cache.close()
 
 
 def test_replay_cache_check_and_add_is_atomic(tmp_path):
-    cache = ReplayCache(tmp_path / "replay.log", window=600)
+    cache = ReplayCache(tmp_path / "state.db", window=600)
     results: list[bool] = []
     barrier = threading.Barrier(8)
 

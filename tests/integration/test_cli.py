@@ -8,8 +8,8 @@ import tomllib
 
 import orjson
 
-from forwarder.deadletter import DeadLetters
 from forwarder.emulator import Emulator
+from forwarder.store import Store
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
 from tests.peers.webhook_receiver import WebhookReceiver
 
@@ -73,9 +73,11 @@ def test_status_deadletter_list_and_replay(tmp_path):
         config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state", sinks=sinks)
         agent = AgentProcess(config, tmp_path / "a.log")
         event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
-        dead = DeadLetters(tmp_path / "state" / "deadletter", "hook")
-        wait_until(lambda: any(d.record.to_dict().get("subject") == event_id for d in dead), 60, "dead letter")
-        wait_until(lambda: (tmp_path / "state" / "status.json").exists(), 30, "status report")
+        wait_until(lambda: (tmp_path / "state" / "state.db").exists(), 60, "the store")
+        store = Store.open(tmp_path / "state")  # read next to the running agent, as the CLI does
+        wait_until(lambda: any(d.record.to_dict().get("subject") == event_id for d in store.dead_letters("hook")),
+                   60, "dead letter")
+        wait_until(lambda: store.meta().get("status"), 30, "status report")
         status = sefwd("status", "--config", str(config), "--json")
         assert status.returncode == 0
         st = orjson.loads(status.stdout)
@@ -94,7 +96,7 @@ def test_status_deadletter_list_and_replay(tmp_path):
         assert f"replayed {len(rows)}" in replay.stderr
         got = {r.json()["id"] for r in rx.wait_for(len(rows), 10)}
         assert got == {r["record"]["id"] for r in rows}
-        assert dead.count() == 0
+        assert store.dead_counts() == {}
 
 
 def test_heartbeats_are_emitted(tmp_path):

@@ -119,7 +119,7 @@ def test_install_run_uninstall_in_a_scratch_root(tmp_path: Path) -> None:
                     agent.kill()
                     agent.wait(30)
         assert read_jsonl(out)[-1]["type"] == "forwarder.stopped"
-        assert (state / "state.json").exists()
+        assert (state / "state.db").exists()
 
     # Uninstall with the copy install.sh left in /opt/sefwd (it deletes itself): config and state stay.
     (prefix / "var" / "lib" / "sefwd" / "journal-leftover").write_text("x")

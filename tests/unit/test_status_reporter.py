@@ -1,4 +1,4 @@
-"""status.json is rewritten when something changes, and otherwise only every `refresh` seconds."""
+"""The status report is rewritten when something changes, and otherwise only every `refresh` seconds."""
 from __future__ import annotations
 
 import threading
@@ -8,7 +8,8 @@ from typing import Any
 
 import orjson
 
-from forwarder.status import STATUS_FILE, StatusReporter
+from forwarder.status import STATUS_KEY, StatusReporter
+from forwarder.store import Store
 
 
 def test_rewritten_on_change_not_on_every_poll_but_refreshed(tmp_path: Path) -> None:
@@ -20,7 +21,7 @@ def test_rewritten_on_change_not_on_every_poll_but_refreshed(tmp_path: Path) -> 
             return orjson.loads(orjson.dumps(state))
 
     def written() -> dict[str, Any]:
-        return orjson.loads((tmp_path / STATUS_FILE).read_bytes())
+        return orjson.loads(reader.meta()[STATUS_KEY])
 
     def wait_for(check: Any, timeout: float) -> None:
         started = time.monotonic()
@@ -28,10 +29,11 @@ def test_rewritten_on_change_not_on_every_poll_but_refreshed(tmp_path: Path) -> 
             if check():
                 return
             time.sleep(0.01)
-        raise AssertionError("status.json did not show the expected content in time")
+        raise AssertionError("the status report did not show the expected content in time")
 
     stop = threading.Event()
-    reporter = StatusReporter(tmp_path, snapshot, stop, interval=0.05, refresh=1.5)
+    reporter = StatusReporter(Store.open(tmp_path), snapshot, stop, interval=0.05, refresh=1.5)
+    reader = Store.open(tmp_path)  # another connection, as `sefwd status` reads it
     reporter.write()
     reporter.start()
     try:

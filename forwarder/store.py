@@ -1,0 +1,424 @@
+"""The agent's one store: ``state.db`` (SQLite, WAL) holds state, records, cursors, dead letters,
+approvals, seen webhook ids, loss counters and the approval inbox.
+
+Every change is one short transaction: a changed document, its records and the new sequence
+counter commit together; a sink's cursor advance (with its dead letters) commits together.
+Other processes (``sefwd status|approve|deadletter``) open the same file with ``connect``.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from forwarder.errors import StateError
+from forwarder.sinkapi import Record
+
+log = logging.getLogger(__name__)
+
+DB_FILE = "state.db"
+FORMAT = 1
+BUSY_TIMEOUT_MS = 5000
+# Eviction order under the size cap: lifecycle first, then audits, scheduled events last.
+PRIORITY_LIFECYCLE, PRIORITY_AUDIT, PRIORITY_EVENT = 0, 1, 2
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value BLOB);
+CREATE TABLE IF NOT EXISTS records(
+    id INTEGER PRIMARY KEY AUTOINCREMENT,  -- AUTOINCREMENT: an id is never handed out twice
+    body BLOB NOT NULL, type TEXT NOT NULL, priority INTEGER NOT NULL, time_ms INTEGER NOT NULL
+);
+-- Only the records evicted first are indexed: a scheduled event's insert pays for no index.
+CREATE INDEX IF NOT EXISTS records_evict_first ON records(priority, id) WHERE priority < 2;
+CREATE TABLE IF NOT EXISTS cursors(sink TEXT PRIMARY KEY, next INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS dead_letters(
+    id INTEGER PRIMARY KEY AUTOINCREMENT, sink TEXT NOT NULL, body BLOB NOT NULL,
+    reason TEXT NOT NULL, detail TEXT NOT NULL, time TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS dead_letters_sink ON dead_letters(sink, id);
+CREATE TABLE IF NOT EXISTS approvals(event_id TEXT PRIMARY KEY, time REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS webhook_ids(digest TEXT PRIMARY KEY, expires REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS webhook_ids_expires ON webhook_ids(expires);
+CREATE TABLE IF NOT EXISTS losses(sink TEXT NOT NULL, reason TEXT NOT NULL, count INTEGER NOT NULL,
+                                  PRIMARY KEY(sink, reason));
+CREATE TABLE IF NOT EXISTS inbox(id INTEGER PRIMARY KEY AUTOINCREMENT, entry BLOB NOT NULL, time REAL NOT NULL);
+"""
+
+
+class StoreError(StateError):
+    """The store could not commit (disk full, I/O error, locked too long); nothing was changed."""
+
+
+def priority_of(rtype: str) -> int:
+    if rtype.startswith("scheduledevent.") or rtype == "forwarder.data_lost":
+        return PRIORITY_EVENT
+    return PRIORITY_AUDIT if rtype.startswith("approval.") else PRIORITY_LIFECYCLE
+
+
+def sequence_floor(now: float) -> int:
+    """Wall-clock microseconds: a new database starts above any number an earlier one handed out.
+
+    A counter that started at this floor passes it only by emitting more than one record per
+    microsecond on average, which the agent never does; only a clock set back breaks it.
+    """
+    return int(now * 1_000_000)
+
+
+def parse_meta(m: dict[str, Any], now: float) -> tuple[SavedState, list[str]]:
+    """The state in a meta table, field by field: an unreadable field is dropped and named."""
+    state, problems = SavedState(), []
+    try:
+        state.sequence = int(m["sequence"])
+    except (KeyError, ValueError, TypeError):
+        state.sequence = sequence_floor(now)
+        problems.append("the sequence counter is unreadable; continuing from the wall-clock floor")
+    for key in ("document", "api_version"):
+        value = m.get(key)
+        if isinstance(value, bytes):
+            try:
+                value = value.decode()
+            except UnicodeDecodeError:
+                value = 0
+        if value is None or isinstance(value, str) and (key != "document" or _is_json(value)):
+            setattr(state, key, value)
+        else:
+            problems.append(f"the saved {key} is unreadable; dropped")
+    try:
+        vm = orjson.loads(m["vm"]) if m.get("vm") else {}
+        state.vm = {str(k): str(v) for k, v in vm.items()}
+    except (ValueError, TypeError, AttributeError):
+        problems.append("the saved VM identity is unreadable; dropped")
+    try:
+        evidence = orjson.loads(m["evidence"]) if m.get("evidence") else {}
+        if not isinstance(evidence, dict):
+            raise TypeError("not an object")
+        state.evidence = evidence
+    except (ValueError, TypeError) as exc:
+        # Without it a reboot is "unknown", so no vanished event can be called canceled.
+        problems.append(f"the saved outcome evidence is unreadable ({exc}); dropped")
+    return state, problems
+
+
+def _is_json(text: str) -> bool:
+    try:
+        orjson.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def connect(path: Path, *, fsync: bool = True) -> sqlite3.Connection:
+    """A connection with the house settings; creates the schema if the file is new."""
+    new = not path.exists()
+    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
+    try:
+        if new:
+            os.chmod(path, 0o640)  # records and approvals are nobody else's business
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
+        conn.executescript(SCHEMA)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    index: int
+    appended_ms: int
+    body: bytes
+
+
+@dataclass
+class SavedState:
+    """What must survive a restart. ``document`` is the last good document's raw body."""
+
+    sequence: int = 0
+    document: str | None = None
+    api_version: str | None = None
+    vm: dict[str, str] = field(default_factory=dict)
+    # forwarder.evidence.evidence_to_dict(): the boot id the document was seen at, accepted approvals.
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    id: int
+    sink: str
+    time: str
+    reason: str
+    detail: str
+    record: Record
+
+
+class Store:
+    """One connection shared by the agent's threads (a lock orders them); WAL lets others read."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path, *, max_size: int = 256 * 1024 * 1024,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.conn = conn
+        self.path = path
+        self.max_size = max_size
+        self._clock = clock
+        self._lock = threading.RLock()
+        self.changed = threading.Condition(self._lock)
+        self.sinks: tuple[str, ...] = ()  # configured sinks: only they hold records back from collection
+        row = conn.execute("SELECT total(length(body)), coalesce(max(id), 0) FROM records").fetchone()
+        self.size = int(row[0])
+        seq = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'records'").fetchone()
+        self.next_index = max(int(row[1]), int(seq[0]) if seq else 0) + 1
+        self.append_failures = 0
+        self._data_version: int | None = None
+
+    @classmethod
+    def open(cls, state_dir: Path, *, fsync: bool = True, max_size: int = 256 * 1024 * 1024,
+             clock: Callable[[], float] = time.time) -> Store:
+        """Open (creating if needed) without any recovery: for the CLI next to a running agent."""
+        path = Path(state_dir) / DB_FILE
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+            conn = connect(path, fsync=fsync)
+        except (OSError, sqlite3.Error) as exc:
+            raise StateError(f"cannot open {path}: {exc}") from None
+        return cls(conn, path, max_size=max_size, clock=clock)
+
+    # -- transactions ---------------------------------------------------------------------
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE … COMMIT; any failure rolls back and raises StoreError."""
+        with self._lock:
+            try:
+                self.conn.execute("BEGIN IMMEDIATE")
+                yield self.conn
+                self.conn.execute("COMMIT")
+            except sqlite3.Error as exc:
+                try:
+                    self.conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # no transaction left open (SQLite rolled it back itself)
+                raise StoreError(f"{self.path}: {exc}") from None
+            except BaseException:
+                try:
+                    self.conn.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                raise
+
+    def query(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
+        """Rows of a read; raises StoreError."""
+        with self._lock:
+            try:
+                return self.conn.execute(sql, args).fetchall()
+            except sqlite3.Error as exc:
+                raise StoreError(f"{self.path}: {exc}") from None
+
+    # -- state ----------------------------------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        return {k: v for k, v in self.query("SELECT key, value FROM meta")}
+
+    def load_state(self) -> SavedState:
+        """The saved state; a new database starts its sequence at the wall-clock floor."""
+        m = self.meta()
+        if "sequence" not in m:
+            with self.transaction() as c:
+                c.execute("INSERT OR IGNORE INTO meta VALUES ('sequence', ?), ('format', ?)",
+                          (sequence_floor(self._clock()), FORMAT))
+            m = self.meta()
+        state, problems = parse_meta(m, self._clock())
+        for problem in problems:
+            log.error("%s: %s", self.path, problem)
+        return state
+
+    def commit(self, records: Sequence[Record], state: SavedState | None = None, *,
+               inbox_ids: Sequence[int] = ()) -> None:
+        """Records, the state they came from and the inbox rows they consumed, in one transaction."""
+        now_ms = int(self._clock() * 1000)
+        rows = [(r.body, r.type, priority_of(r.type), now_ms) for r in records]
+        added = sum(len(r.body) for r in records)
+        try:
+            with self.transaction() as c:
+                if rows:
+                    c.executemany("INSERT INTO records(body, type, priority, time_ms) VALUES (?, ?, ?, ?)", rows)
+                if state is not None:
+                    c.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
+                        ("sequence", state.sequence), ("document", state.document),
+                        ("api_version", state.api_version), ("vm", orjson.dumps(state.vm)),
+                        ("evidence", orjson.dumps(state.evidence)),
+                    ])
+                if inbox_ids:
+                    c.executemany("DELETE FROM inbox WHERE id = ?", [(i,) for i in inbox_ids])
+                if self.size + added > self.max_size:
+                    added -= self._evict(c, self.size + added - self.max_size)
+        except StoreError:
+            self.append_failures += 1
+            raise
+        self.size += added
+        if rows:
+            with self.changed:  # this connection is the only writer of records: ids follow on
+                self.next_index += len(rows)
+                self.changed.notify_all()
+
+    def _evict(self, c: sqlite3.Connection, excess: int) -> int:
+        """Size cap: delete lowest priority, oldest first, counting each loss per sink; returns bytes freed."""
+        freed = 0
+        cursors = dict(c.execute("SELECT sink, next FROM cursors").fetchall())
+        while freed < excess:
+            victims = c.execute(f"SELECT id, length(body) FROM records WHERE priority < {PRIORITY_EVENT} "
+                                "ORDER BY priority, id LIMIT 256").fetchall() or \
+                c.execute("SELECT id, length(body) FROM records ORDER BY id LIMIT 256").fetchall()
+            if not victims:
+                break
+            for rid, size in victims:
+                for name in self.sinks:
+                    if rid >= cursors.get(name, 0):
+                        self._count(c, name, "evicted_size_cap", 1)
+                freed += size
+                c.execute("DELETE FROM records WHERE id = ?", (rid,))
+                if freed >= excess:
+                    break
+        log.error("store over its size cap (%d bytes): evicted %d bytes of records", self.max_size, freed)
+        return freed
+
+    @staticmethod
+    def _count(c: sqlite3.Connection, sink: str, reason: str, n: int) -> None:
+        c.execute("INSERT INTO losses VALUES (?, ?, ?) ON CONFLICT(sink, reason) DO UPDATE SET count = count + excluded.count",
+                  (sink, reason, n))
+
+    def count_loss(self, sink: str, reason: str, n: int) -> None:
+        with self.transaction() as c:
+            self._count(c, sink, reason, n)
+
+    def losses(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for sink, reason, n in self.query("SELECT sink, reason, count FROM losses"):
+            out.setdefault(sink, {})[reason] = n
+        return out
+
+    # -- sink cursors ---------------------------------------------------------------------
+    def cursor(self, sink: str) -> int:
+        """Where a sink resumes; a sink new to this store starts at the oldest record kept."""
+        row = self.query("SELECT next FROM cursors WHERE sink = ?", (sink,))
+        if row:
+            return int(row[0][0])
+        oldest = self.query("SELECT coalesce(min(id), ?) FROM records", (self.next_index,))[0][0]
+        with self.transaction() as c:
+            c.execute("INSERT OR IGNORE INTO cursors VALUES (?, ?)", (sink, oldest))
+        return int(oldest)
+
+    def read(self, sink: str, position: int, limit: int) -> list[Entry]:
+        rows = self.query(
+            "SELECT id, time_ms, body FROM records WHERE id >= ? ORDER BY id LIMIT ?", (position, limit))
+        return [Entry(int(i), int(t), bytes(b)) for i, t, b in rows]
+
+    def backlog(self, sink: str, cursor: int) -> int:
+        return int(self.query("SELECT count(*) FROM records WHERE id >= ?", (cursor,))[0][0])
+
+    def advance(self, sink: str, next_index: int, dead: Sequence[tuple[bytes, str, str]] = (), now: str = "") -> None:
+        """Move a sink's cursor, with the dead letters it set aside, in one transaction."""
+        with self.transaction() as c:
+            if dead:
+                c.executemany("INSERT INTO dead_letters(sink, body, reason, detail, time) VALUES (?, ?, ?, ?, ?)",
+                              [(sink, body, reason, detail[:2000], now) for body, reason, detail in dead])
+            c.execute("INSERT INTO cursors VALUES (?, ?) ON CONFLICT(sink) DO UPDATE SET next = max(next, excluded.next)",
+                      (sink, next_index))
+
+    def collect(self) -> None:
+        """Delete records every configured sink has passed."""
+        if not self.sinks:
+            return
+        marks = ",".join("?" * len(self.sinks))
+        with self.transaction() as c:
+            low = c.execute(f"SELECT min(next), count(*) FROM cursors WHERE sink IN ({marks})", self.sinks).fetchone()
+            if low[1] < len(self.sinks) or low[0] is None:
+                return
+            freed = c.execute("SELECT total(length(body)) FROM records WHERE id < ?", (low[0],)).fetchone()[0]
+            if freed:
+                c.execute("DELETE FROM records WHERE id < ?", (low[0],))
+        self.size = max(0, self.size - int(freed))
+
+    def wait(self, position: int, timeout: float) -> bool:
+        """Wait until a record at or past ``position`` may exist (or timeout)."""
+        with self.changed:
+            if position < self.next_index:
+                return True
+            self.changed.wait(timeout)
+            return position < self.next_index
+
+    def refresh(self) -> bool:
+        """Whether another connection committed since the last look (``sefwd approve``, a replay)."""
+        version = self.query("PRAGMA data_version")[0][0]
+        if version == self._data_version:
+            return False
+        self._data_version = version
+        seq = self.query("SELECT seq FROM sqlite_sequence WHERE name = 'records'")
+        with self.changed:
+            self.next_index = max(self.next_index, int(seq[0][0]) + 1 if seq else 1)
+            self.changed.notify_all()
+        return True
+
+    def wake(self) -> None:
+        with self.changed:
+            self.changed.notify_all()
+
+    # -- dead letters ---------------------------------------------------------------------
+    def dead_letters(self, sink: str | None = None) -> list[DeadLetter]:
+        sql = "SELECT id, sink, time, reason, detail, body FROM dead_letters"
+        rows = self.query(sql + (" WHERE sink = ? ORDER BY id" if sink else " ORDER BY sink, id"), (sink,) if sink else ())
+        return [DeadLetter(i, s, t, r, d, Record.from_body(bytes(b))) for i, s, t, r, d, b in rows]
+
+    def dead_counts(self) -> dict[str, int]:
+        return {s: n for s, n in self.query("SELECT sink, count(*) FROM dead_letters GROUP BY sink")}
+
+    def settle_dead(self, ids: Sequence[int], reason: str | None = None, detail: str = "") -> None:
+        """After a replay attempt: delete delivered dead letters, or record why they failed again."""
+        with self.transaction() as c:
+            if reason is None:
+                c.executemany("DELETE FROM dead_letters WHERE id = ?", [(i,) for i in ids])
+            else:
+                c.executemany("UPDATE dead_letters SET reason = ?, detail = ? WHERE id = ?",
+                              [(reason, detail[:2000], i) for i in ids])
+
+    # -- approvals, webhook ids, inbox --------------------------------------------------------
+    def approved(self, event_id: str) -> bool:
+        return bool(self.query("SELECT 1 FROM approvals WHERE event_id = ?", (event_id.lower(),)))
+
+    def add_approvals(self, event_ids: Sequence[str], keep: int = 1000) -> None:
+        now = self._clock()
+        with self.transaction() as c:
+            c.executemany("INSERT OR REPLACE INTO approvals VALUES (?, ?)", [(e.lower(), now) for e in event_ids])
+            c.execute("DELETE FROM approvals WHERE event_id NOT IN (SELECT event_id FROM approvals ORDER BY time DESC LIMIT ?)", (keep,))
+
+    def add_webhook_id(self, digest: str, expires: float) -> bool:
+        """Remember a webhook id until ``expires``; False when it is already remembered (atomic)."""
+        with self.transaction() as c:
+            c.execute("DELETE FROM webhook_ids WHERE expires < ?", (self._clock(),))  # indexed: stays small
+            return c.execute("INSERT OR IGNORE INTO webhook_ids VALUES (?, ?)", (digest, expires)).rowcount == 1
+
+    def inbox_add(self, entry: dict[str, Any]) -> None:
+        with self.transaction() as c:
+            c.execute("INSERT INTO inbox(entry, time) VALUES (?, ?)", (orjson.dumps(entry), self._clock()))
+
+    def inbox(self, limit: int = 100) -> list[tuple[int, Any]]:
+        """Entries other processes queued (``sefwd approve``); unreadable ones come back as None."""
+        out: list[tuple[int, Any]] = []
+        for i, raw in self.query("SELECT id, entry FROM inbox ORDER BY id LIMIT ?", (limit,)):
+            try:
+                out.append((int(i), orjson.loads(raw)))
+            except (ValueError, TypeError):
+                out.append((int(i), None))
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self.conn.close()

@@ -1,0 +1,294 @@
+"""Storage faults with the real agent: a full file system, a damaged or deleted database, wrong file
+types in the state dir, a killed `deadletter replay`, a callback flood with a sink down."""
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import orjson
+import pytest
+import requests
+
+from forwarder.emulator import Emulator
+from forwarder.signing import generate_secret
+from forwarder.store import Store
+from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until
+from tests.integration.test_callback_agent import _reachable, free_port
+from tests.integration.test_cli import sefwd
+from tests.peers.webhook_receiver import Reply, WebhookReceiver
+
+
+def cfg(tmp_path: Path, emu: Emulator, rx: WebhookReceiver, state: Path, extra: str = "") -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        f'[imds]\nendpoint = "{emu.url}"\npoll_interval = "200ms"\nfirst_call_timeout = "10s"\n'
+        f'[state]\ndir = "{state}"\n'
+        f'[agent]\nheartbeat = "0"\ndrain_timeout = "1s"\nlog_level = "debug"\n'
+        f'[delivery]\nretry_initial = "100ms"\nretry_max = "500ms"\n{extra}\n'
+        f'[[sinks]]\ntype = "file"\nname = "file"\npath = "{tmp_path / "out.jsonl"}"\n'
+        f'[[sinks]]\ntype = "webhook"\nname = "hook"\nurl = "{rx.url}"\ntimeout = "2s"\n'
+    )
+    return path
+
+
+def hook_records(rx: WebhookReceiver) -> list[dict]:
+    return [r.json() for r in rx.requests if r.body]
+
+
+def of_type(records: list[dict], rtype: str) -> list[dict]:
+    return [r for r in records if r["type"] == rtype]
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A 4 MiB tmpfs (root only; skipped where mounting is not permitted)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(directory: Path) -> Path:
+    """Write a file until the file system is full; returns it."""
+    filler = directory / "filler"
+    with open(filler, "wb") as fh:
+        try:
+            while True:
+                fh.write(b"\0" * 65536)
+                fh.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def test_full_file_system_stops_commits_loudly_and_everything_delivers_when_space_returns(tmp_path, small_fs):
+    with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=200) as rx:
+        config = cfg(tmp_path, emu, rx, small_fs / "state")
+        agent = AgentProcess(config, tmp_path / "a.log")
+        out = tmp_path / "out.jsonl"
+        wait_until(lambda: of_type(hook_records(rx), "forwarder.started"), 60, "agent up")
+        filler = fill(small_fs)
+        ids = [emu.schedule(type="Reboot", resources=["myVM"], start_after=600) for _ in range(3)]
+        wait_until(lambda: "could not commit" in agent.logs(), 60, "a loud failure")
+        polls = emu.stats()["requests"]["myVM"]["GET"]
+        wait_until(lambda: emu.stats()["requests"]["myVM"]["GET"] >= polls + 5, 30, "polls go on while the disk is full")
+        assert not [r for r in read_jsonl(out) if r.get("subject") in ids]
+        status = orjson.loads(sefwd("status", "--config", str(config), "--json").stdout)  # readable while full
+        assert status["running"] is True
+        filler.unlink()
+        scheduled = lambda: {r["subject"] for r in of_type(hook_records(rx), "scheduledevent.scheduled")}  # noqa: E731
+        wait_until(lambda: scheduled() >= set(ids), 60, "the changes committed and delivered once space returned")
+        filler = fill(small_fs)  # full again while the sinks' cursors move: delivery must survive that too
+        for event_id in ids:
+            emu.cancel(event_id)
+        wait_until(lambda: agent.logs().count("could not commit") >= 2, 60, "the second failure")
+        filler.unlink()
+        canceled = lambda: {r["subject"] for r in of_type(hook_records(rx), "scheduledevent.canceled")}  # noqa: E731
+        wait_until(lambda: canceled() >= set(ids), 60, "cancels delivered")
+        wait_until(lambda: {r["id"] for r in read_jsonl(out)} <= {r["id"] for r in hook_records(rx)}, 30, "both sinks level")
+        assert agent.alive() and "thread died" not in agent.logs()
+        assert agent.terminate(timeout=30) == 0
+    records = list({r["id"]: r for r in read_jsonl(out)}.values())
+    seqs = sorted(int(r["sequence"]) for r in records)
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "no record lost: sequence has no gap"
+
+
+def test_a_start_on_a_full_file_system_waits_for_space_and_never_sets_a_good_database_aside(tmp_path, small_fs):
+    state = small_fs / "state"
+    with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=200) as rx:
+        config = cfg(tmp_path, emu, rx, state)
+        agent = AgentProcess(config, tmp_path / "a1.log")
+        first = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
+        wait_until(lambda: [r for r in hook_records(rx) if r.get("subject") == first], 60, "first run delivered")
+        assert agent.terminate() == 0
+        filler = fill(small_fs)
+        second = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
+        agent = AgentProcess(config, tmp_path / "a2.log")
+        wait_until(lambda: "cannot open the store" in agent.logs() or "could not commit" in agent.logs(), 60,
+                   "a loud failure while the disk is full")
+        filler.unlink()
+        wait_until(lambda: [r for r in hook_records(rx) if r.get("subject") == second], 60, "delivered once space returned")
+        assert agent.terminate() == 0
+    assert not list(state.glob("state.db.damaged-*")) and not of_type(hook_records(rx), "forwarder.data_lost")
+    firsts = [r for r in hook_records(rx) if r.get("subject") == first and r["type"] == "scheduledevent.scheduled"]
+    assert len({r["id"] for r in firsts}) == 1, "the state survived: the first event was not re-sent as Initial"
+
+
+def _checkpointed(state: Path) -> None:
+    """After a clean stop the WAL is folded into state.db: damage to state.db hits the records."""
+    assert (state / "state.db").is_file() and not (state / "state.db-wal").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage_header", "flipped_pages", "emptied"])
+def test_damaged_database_is_set_aside_salvaged_and_the_loss_announced(tmp_path, damage):
+    state = tmp_path / "state"
+    with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=503) as rx:
+        config = cfg(tmp_path, emu, rx, state)
+        agent = AgentProcess(config, tmp_path / "a1.log")
+        ids = [emu.schedule(type="Reboot", resources=["myVM"], start_after=600) for _ in range(12)]
+        wait_until(lambda: len(of_type(read_jsonl(tmp_path / "out.jsonl"), "scheduledevent.scheduled")) >= 12, 60,
+                   "records committed while the webhook is down")
+        assert agent.terminate() == 0
+        _checkpointed(state)
+        db = state / "state.db"
+        data = bytearray(db.read_bytes())
+        if damage == "truncated":
+            db.write_bytes(bytes(data[: len(data) // 2]))
+        elif damage == "emptied":
+            db.write_bytes(b"")
+        elif damage == "garbage_header":
+            db.write_bytes(b"\x99" * 100 + bytes(data[100:]))
+        else:
+            for page in range(1, len(data) // 4096, 2):  # every other page after the first
+                data[page * 4096 + 100 : page * 4096 + 300] = os.urandom(200)
+            db.write_bytes(bytes(data))
+        rx.set_policy(200)
+        agent = AgentProcess(config, tmp_path / "a2.log")
+        lost = wait_until(lambda: of_type(hook_records(rx), "forwarder.data_lost"), 60, "the loss announced to the webhook")
+        wait_until(lambda: of_type(read_jsonl(tmp_path / "out.jsonl"), "forwarder.data_lost"), 30, "and to the file sink")
+        wait_until(lambda: (Store.open(state).meta().get("status") or b"").find(b"data_lost") >= 0, 30, "status shows it")
+        status = orjson.loads(sefwd("status", "--config", str(config), "--json").stdout)
+        assert agent.terminate() == 0
+    data_lost = lost[0]["data"]
+    assert data_lost["Reason"] in ("database_damaged", "database_unusable") and data_lost["RenamedTo"].startswith("state.db.damaged-")
+    assert (state / data_lost["RenamedTo"]).is_file(), "the damaged database is kept, never deleted"
+    assert status["agent"]["data_lost"]["RenamedTo"] == data_lost["RenamedTo"]
+    assert status["lost"]["*"][data_lost["Reason"]] == 1
+    assert "renamed it to" in agent.logs()
+    delivered = {r["subject"] for r in of_type(hook_records(rx), "scheduledevent.scheduled")}
+    assert len(delivered) + data_lost["UnreadableRows"] >= 0 and delivered <= set(ids)
+    if damage == "truncated":  # the first half of the file holds the early pages: something was salvaged
+        assert data_lost["SalvagedRecords"] + data_lost["UnreadableRows"] > 0
+
+
+@pytest.mark.parametrize("oddity", ["db_is_a_directory", "wal_is_a_directory", "lock_is_a_directory", "stray_files"])
+def test_wrong_file_types_and_stray_files_never_stop_the_agent(tmp_path, oddity):
+    state = tmp_path / "state"
+    state.mkdir()
+    if oddity == "db_is_a_directory":
+        (state / "state.db").mkdir()
+        (state / "state.db" / "inside").write_text("x")
+    elif oddity == "wal_is_a_directory":
+        (state / "state.db-wal").mkdir()
+    elif oddity == "lock_is_a_directory":
+        (state / "agent.lock").mkdir()
+    else:
+        (state / "seg-99999999999999999999.log").write_bytes(b"")
+        (state / "journal").write_text("not a directory")
+        (state / "cursors").mkdir()
+        (state / "state.db-shm.tmp").write_bytes(os.urandom(64))
+    with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=200) as rx:
+        config = cfg(tmp_path, emu, rx, state)
+        agent = AgentProcess(config, tmp_path / "a.log")
+        event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
+        wait_until(lambda: [r for r in hook_records(rx) if r.get("subject") == event_id], 60, "delivery despite the oddity")
+        assert agent.terminate() == 0
+    assert (state / "state.db").is_file()
+    if oddity != "stray_files":
+        assert list(state.glob("*.aside-*")) or list(state.glob("state.db.damaged-*")), "the odd entry is kept aside"
+
+
+def test_deleted_database_never_reuses_a_sequence_number(tmp_path):
+    state = tmp_path / "state"
+    with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=200) as rx:
+        config = cfg(tmp_path, emu, rx, state)
+        agent = AgentProcess(config, tmp_path / "a1.log")
+        emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
+        wait_until(lambda: of_type(hook_records(rx), "scheduledevent.scheduled"), 60, "first run delivered")
+        assert agent.kill() is None
+        before = {int(r["sequence"]) for r in hook_records(rx)}
+        for p in state.glob("state.db*"):
+            p.unlink()
+        agent = AgentProcess(config, tmp_path / "a2.log")
+        wait_until(lambda: len(of_type(hook_records(rx), "scheduledevent.scheduled")) >= 2, 60, "re-sent as Initial")
+        assert agent.terminate() == 0
+    after = {int(r["sequence"]) for r in hook_records(rx)} - before
+    assert after and min(after) > max(before), "a new database starts above every number handed out before"
+
+
+def test_killed_deadletter_replay_loses_nothing(tmp_path):
+    state = tmp_path / "state"
+    with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=400) as rx:
+        config = cfg(tmp_path, emu, rx, state)
+        agent = AgentProcess(config, tmp_path / "a.log")
+        for _ in range(6):
+            emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
+        wait_until(lambda: (state / "state.db").is_file(), 60, "the store")
+        store = Store.open(state)
+        wait_until(lambda: store.dead_counts().get("hook", 0) >= 7, 60, "dead letters")
+        assert agent.terminate() == 0
+        dead = {d.record.id for d in store.dead_letters("hook")}
+        rx.set_policy(Reply(200, delay=1.0))
+        rx.clear()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SEFWD_")}
+        env["PYTHONPATH"] = str(ROOT)
+        replay = subprocess.Popen([sys.executable, "-m", "forwarder", "deadletter", "replay", "hook", "--config", str(config)],
+                                  env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: rx.count >= 3, 60, "replay under way")
+        replay.send_signal(signal.SIGKILL)
+        replay.wait(30)
+        first = {r["id"] for r in hook_records(rx)}
+        left = {d.record.id for d in store.dead_letters("hook")}
+        assert left | first == dead, "every dead letter was delivered or is still there"
+        assert left and len(left) < len(dead)
+        rx.set_policy(200)
+        done = sefwd("deadletter", "replay", "hook", "--config", str(config))
+        assert done.returncode == 0, done.stderr
+        assert {r["id"] for r in hook_records(rx)} == dead and store.dead_counts() == {}
+
+
+def test_callback_flood_with_a_sink_down_costs_a_few_records_and_evicts_no_scheduled_event(tmp_path):
+    state = tmp_path / "state"
+    port = free_port()
+    extra = (f'[journal]\nmax_size = "1MiB"\n[approval.callback]\nlisten = "127.0.0.1:{port}"\n'
+             f'secret_env = "CB_SECRET"\nrate_limit = 60\n')
+    with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=503) as rx:
+        config = cfg(tmp_path, emu, rx, state, extra)
+        agent = AgentProcess(config, tmp_path / "a.log", env={"CB_SECRET": generate_secret()})
+        wait_until(lambda: _reachable(port), 60, "callback listening")
+        ids = [emu.schedule(type="Reboot", resources=["myVM"], start_after=600) for _ in range(3)]
+        wait_until(lambda: len(of_type(read_jsonl(tmp_path / "out.jsonl"), "scheduledevent.scheduled")) >= 3, 60, "events")
+        answers: list[int] = []
+
+        def flood() -> None:
+            with requests.Session() as s:
+                for _ in range(300):
+                    answers.append(s.post(f"http://127.0.0.1:{port}/approvals", data=b'{"StartRequests":[]}',
+                                          headers={"webhook-id": uuid.uuid4().hex}, timeout=10).status_code)
+
+        threads = [threading.Thread(target=flood) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert answers.count(429) > 1000 and len(answers) == 1200, collections.Counter(answers)
+        rx.set_policy(200)
+        wait_until(lambda: {r["subject"] for r in of_type(hook_records(rx), "scheduledevent.scheduled")} >= set(ids), 60,
+                   "every scheduled event delivered once the sink is back")
+        assert agent.terminate() == 0
+    refused = of_type(read_jsonl(tmp_path / "out.jsonl"), "approval.refused")
+    assert 2 <= len(refused) <= 4, [(r["data"]["Reason"], r["data"]["Count"]) for r in refused]
+    assert sum(r["data"]["Count"] for r in refused) == len(answers)
+    assert Store.open(state).losses() == {}
+
+
+def test_state_dir_layout_after_a_run_is_one_database(tmp_path):
+    state = tmp_path / "state"
+    with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=200) as rx:
+        agent = AgentProcess(cfg(tmp_path, emu, rx, state), tmp_path / "a.log")
+        wait_until(lambda: hook_records(rx), 60, "agent up")
+        assert agent.terminate() == 0
+    assert sorted(p.name for p in state.iterdir() if p.name != "sinks") == ["agent.lock", "state.db"]
+    shutil.rmtree(state)
