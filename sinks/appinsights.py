@@ -34,6 +34,7 @@ from opentelemetry.sdk._logs.export import LogRecordExportResult
 from opentelemetry.sdk.resources import Resource
 
 from forwarder.sinkapi import Ok, Record, Result, Retry, SinkContext
+from forwarder.connection_strings import appinsights_problems
 from forwarder.units import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import check_credential_options, managed_identity_credential, read_secret_text
@@ -87,17 +88,6 @@ def _timestamp_ns(event: Mapping[str, Any]) -> int:
             pass
     return time.time_ns()
 
-
-
-def _check_connection_string(text: str) -> list[str]:
-    fields = {}
-    for part in text.split(";"):
-        name, sep, value = part.partition("=")
-        if sep:
-            fields[name.strip().lower()] = value.strip()
-    if not fields.get("instrumentationkey"):
-        return ["the connection string has no InstrumentationKey (copy it from the Application Insights resource)"]
-    return []
 
 
 class AppInsightsSink:
@@ -162,7 +152,7 @@ class AppInsightsSink:
             if text is None:
                 problems.append("set connection_string_env or connection_string_file (never the string inline)")
             else:
-                problems += _check_connection_string(text)
+                problems += appinsights_problems(text)
         problems += check_int_range(options, "batch_size", 1, MAX_BATCH)
         problems += check_positive_duration(options, "timeout")
         role = options.get("role_name")
