@@ -12,6 +12,7 @@ import orjson
 
 from forwarder import __version__
 from forwarder.deadletter import sinks_with_dead_letters
+from forwarder.logutil import redact
 from forwarder.records import rfc3339, utcnow
 
 STATUS_FILE = "status.json"
@@ -140,7 +141,7 @@ def format_status(s: dict[str, Any]) -> str:
                 + (f" (oldest {oldest:.1f}s)" if oldest is not None else "")
                 + f", delivered {sk.get('delivered', 0)}, retries {sk.get('retries', 0)}, "
                 f"dead letters {s['dead_letters'].get(name, 0)}"
-                + (f", last error {sk['last_error']}" if sk.get("last_error") else "")
+                + (f", last error {redact(str(sk['last_error']))}" if sk.get("last_error") else "")
             )
         for what in ("corrupt_skipped", "dropped_full", "cursor_resets"):
             if j.get(what):
