@@ -1,0 +1,75 @@
+"""A slowloris against a running agent's approval callback: one client holding many idle connections
+cannot keep another client's signed request from being answered, and the agent lives on."""
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import orjson
+import pytest
+import requests
+
+from forwarder.approval.callback import MAX_CONNECTIONS
+from forwarder.emulator import Emulator
+from forwarder.signing import generate_secret, parse_secret, sign_headers
+from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+
+pytestmark = pytest.mark.timeout(180)
+
+SECRET = generate_secret()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def idle_connection(port: int, source: str) -> socket.socket | None:
+    """A connection from ``source`` that never sends a byte (None once the server refuses to accept more)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.bind((source, 0))
+    try:
+        sock.connect(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def test_idle_connections_from_one_client_do_not_starve_another(tmp_path):
+    port = free_port()
+    with Emulator(vms=["vm0"], rate_limit=None) as emu:
+        config = write_config(tmp_path / "c.toml", emu.vm_url("vm0"), tmp_path / "state", extra=(
+            "[approval.callback]\n"
+            f'listen = "127.0.0.1:{port}"\nsecret_env = "CB_SECRET"\nrate_limit = 600\n'
+            # Long enough that the idle connections are still held when the signed request comes.
+            'client_timeout = "60s"\n'
+        ))
+        agent = AgentProcess(config, tmp_path / "agent.log", env={"CB_SECRET": SECRET})
+        held: list[socket.socket] = []
+        try:
+            wait_until(lambda: read_jsonl(tmp_path / "out.jsonl"), 60, "the agent's first records")
+            wait_until(lambda: "approval callback listening" in agent.logs(), 30, "the callback listening")
+            # The slowloris: twice as many idle connections as the server has slots, all from 127.0.0.2.
+            for _ in range(2 * MAX_CONNECTIONS):
+                sock = idle_connection(port, "127.0.0.2")
+                if sock is not None:
+                    held.append(sock)
+            body = orjson.dumps({"StartRequests": [{"EventId": "no-such-event"}]})
+            headers = sign_headers(parse_secret(SECRET), f"msg_{uuid.uuid4().hex}", body, now=time.time())
+            headers["content-type"] = "application/json"
+            started = time.monotonic()
+            answer = requests.post(f"http://127.0.0.1:{port}/approvals", data=body, headers=headers, timeout=30)
+            # Answered (the event is unknown, so not approved), and long before the idle clients time out.
+            assert (answer.status_code, answer.json()["reason"]) == (422, "unknown_event"), answer.text
+            assert time.monotonic() - started < 30
+            assert agent.alive()
+            wait_until(lambda: "already has 4 connections open" in agent.logs(), 30, "the per-client cap logged")
+        finally:
+            for sock in held:
+                sock.close()
+            rc = agent.terminate()
+        assert rc == 0
