@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 # Digits, an optional fraction, an optional unit: no sign, no exponent, no nan/inf spellings.
-_DURATION = re.compile(r"^\s*(\d{1,15}(?:\.\d{1,9})?)\s*(ms|s|m|h|d)?\s*$")
+_DURATION = re.compile(r"^\s*([0-9]{1,15}(?:\.[0-9]{1,9})?) *(ms|s|m|h|d)?\s*$")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_SIZE = re.compile(r"^\s*(\d{1,15}(?:\.\d{1,9})?)\s*(B|KB|MB|GB|KiB|MiB|GiB|k|K|M|G)?\s*$")
+_SIZE = re.compile(r"^\s*([0-9]{1,15}(?:\.[0-9]{1,9})?) *(B|KB|MB|GB|KiB|MiB|GiB|k|K|M|G)?\s*$")
 _SIZE_UNITS = {
     "B": 1, "KB": 1000, "MB": 1000**2, "GB": 1000**3,
     "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "k": 1024, "K": 1024, "M": 1024**2, "G": 1024**3,
