@@ -35,7 +35,7 @@ def _fields(text: str, *, strict: bool) -> dict[str, str]:
     return fields
 
 
-def _https_url(value: str, field: str) -> list[str]:
+def _url(value: str, field: str, scheme: str = "https") -> list[str]:
     if control_characters(value):
         return [f"the connection string's {field} contains spaces or control characters"]
     try:
@@ -43,8 +43,8 @@ def _https_url(value: str, field: str) -> list[str]:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
         return [f"the connection string's {field} is not a valid URL"]
-    if parts.scheme != "https" or not parts.hostname:
-        return [f"the connection string's {field} must be an https:// URL with a host"]
+    if parts.scheme != scheme or not parts.hostname:
+        return [f"the connection string's {field} must be an {scheme}:// URL with a host"]
     if parts.username is not None or parts.query or parts.fragment:
         return [f"the connection string's {field} must not carry credentials, a query or a fragment"]
     return []
@@ -68,7 +68,7 @@ def appinsights_problems(text: str) -> list[str]:
         problems.append("the connection string's Authorization must be ikey (the exporter refuses others)")
     for field in ("IngestionEndpoint", "LiveEndpoint"):
         if fields.get(field.lower()):
-            problems += _https_url(fields[field.lower()], field)
+            problems += _url(fields[field.lower()], field)
     return problems
 
 
@@ -83,13 +83,7 @@ def eventhubs_problems(text: str) -> list[str]:
     if not endpoint:
         problems.append("the connection string has no Endpoint=sb://<namespace>/")
     else:
-        try:
-            parts = urlsplit(endpoint)
-            parts.port  # noqa: B018
-        except ValueError:
-            parts = None
-        if parts is None or control_characters(endpoint) or parts.scheme != "sb" or not parts.hostname:
-            problems.append("the connection string's Endpoint must look like sb://<namespace>.servicebus.windows.net/")
+        problems += _url(endpoint, "Endpoint", "sb")
     has_key = bool(fields.get("sharedaccesskeyname")) and bool(fields.get("sharedaccesskey"))
     has_sas = bool(fields.get("sharedaccesssignature"))
     if not has_key and not has_sas:
