@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import ssl
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -319,10 +320,25 @@ def _parse_callback(raw: Any, env: Mapping[str, str], base_dir: Path | None,
                 values[key] = _readable_file(raw[key], base_dir)
             except ValueError as exc:
                 problems.append(f"approval.callback.{key}: {exc}")
+    if "tls_cert" in values and "tls_key" in values:
+        problems.extend(_tls_problems(values["tls_cert"], values["tls_key"]))
     keys = _load_keys(raw, env, base_dir, problems)
     if len(problems) > before or keys is None:
         return None
     return CallbackSettings(keys=keys, **values)
+
+
+def _tls_problems(cert: Path, key: Path) -> list[str]:
+    """Load the pair as the server will at start, so a wrong or mismatched file fails the check instead."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(str(cert), str(key))
+    except (OSError, ssl.SSLError) as exc:
+        # The reason only (e.g. "KEY_VALUES_MISMATCH"): never the file's content.
+        reason = getattr(exc, "reason", None) or type(exc).__name__
+        return [f"approval.callback.tls_cert: cannot load {str(cert)!r} with tls_key {str(key)!r} ({reason}): "
+                "both must be PEM files, the key matching the certificate"]
+    return []
 
 
 _FLAT_PARSERS: dict[str, Callable[[Any], Any]] = {

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 
 from forwarder.approval.config import parse_approval, parse_listen
 from forwarder.approval.policy import SEED_SAMPLE_RULES
@@ -233,9 +234,22 @@ def test_callback_with_defaults() -> None:
     assert (config.callback.client_timeout, config.callback.tolerance) == (5.0, 300.0)
 
 
+def test_tls_files_that_do_not_load_are_refused(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    first, second = ca.issue_cert("127.0.0.1"), ca.issue_cert("127.0.0.1")
+    first.cert_chain_pems[0].write_to_path(str(tmp_path / "a.crt"))
+    second.private_key_pem.write_to_path(str(tmp_path / "b.key"))
+    (tmp_path / "junk.crt").write_text("not a certificate")
+    for cert, key in (("a.crt", "b.key"), ("junk.crt", "b.key")):
+        problem = one_problem(callback(tls_cert=cert, tls_key=key), CB_ENV, base_dir=tmp_path)
+        assert problem.startswith("approval.callback.tls_cert: cannot load") and "PEM" in problem
+        assert "PRIVATE KEY" not in problem
+
+
 def test_callback_every_key(tmp_path: Path) -> None:
-    (tmp_path / "tls.crt").write_text("cert")
-    (tmp_path / "tls.key").write_text("key")
+    cert = trustme.CA().issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "tls.crt"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
     config = ok(callback(listen="[::1]:0", tls_cert="tls.crt", tls_key=str(tmp_path / "tls.key"), max_body="1KiB",
                          rate_limit=5, client_timeout="2s", tolerance="1m"), CB_ENV, base_dir=tmp_path)
     cb = config.callback
@@ -308,8 +322,9 @@ def test_the_commented_example_parses_once_uncommented(tmp_path: Path) -> None:
         if re.match(r"^# (\[.*\]|[a-z_]+ = .*)$", line):
             line = line[2:]
         lines.append(line)
-    for name in ("tls.crt", "tls.key"):
-        (tmp_path / name).write_text(name)
+    cert = trustme.CA().issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "tls.crt"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
     text = "\n".join(lines).replace("/etc/sefwd/", f"{tmp_path}/")
     raw = tomllib.loads(text)["approval"]
     assert set(raw) == {"scope", "hook_timeout", "hook_output_limit", "hooks", "rules", "callback"}
