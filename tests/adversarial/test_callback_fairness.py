@@ -73,3 +73,56 @@ def test_idle_connections_from_one_client_do_not_starve_another(tmp_path):
                 sock.close()
             rc = agent.terminate()
         assert rc == 0
+
+
+def read_answer(sock: socket.socket, timeout: float) -> bytes:
+    """Everything until the server closes the connection (or ``timeout`` passes)."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except OSError:
+        pass
+    return data
+
+
+def test_idle_and_dripping_connections_are_cut_at_the_deadline(tmp_path):
+    port = free_port()
+    with Emulator(vms=["vm0"], rate_limit=None) as emu:
+        config = write_config(tmp_path / "c.toml", emu.vm_url("vm0"), tmp_path / "state", extra=(
+            "[approval.callback]\n"
+            f'listen = "127.0.0.1:{port}"\nsecret_env = "CB_SECRET"\nrate_limit = 600\nclient_timeout = "1s"\n'
+        ))
+        agent = AgentProcess(config, tmp_path / "agent.log", env={"CB_SECRET": SECRET})
+        try:
+            wait_until(lambda: "approval callback listening" in agent.logs(), 60, "the callback listening")
+            idle = idle_connection(port, "127.0.0.2")
+            drip = idle_connection(port, "127.0.0.3")
+            assert idle is not None and drip is not None
+            started = time.monotonic()
+            # The drip sends a byte every 200 ms: each recv succeeds, the request never completes.
+            for byte in b"POST /approvals HTTP/1.1\r\nHost: x\r\n":
+                if time.monotonic() - started > 3.0:
+                    break
+                try:
+                    drip.sendall(bytes([byte]))
+                except OSError:
+                    break  # already cut
+                time.sleep(0.2)  # the attacker's pace, not synchronization
+            answers = [read_answer(sock, 30) for sock in (idle, drip)]
+            for answer in answers:
+                assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+                assert b'"client_timeout"' in answer
+            # Both cut near the 1 s deadline, long before 30 s: trickling bytes did not extend it.
+            assert time.monotonic() - started < 20
+            idle.close()
+            drip.close()
+            assert agent.alive()
+            out = tmp_path / "out.jsonl"
+            refused = wait_until(lambda: [r for r in read_jsonl(out) if r["type"] == "approval.refused"
+                                          and r["data"].get("Reason") == "client_timeout"], 30, "the audit records")
+            assert {r["data"]["Client"].split(":")[0] for r in refused} >= {"127.0.0.3"}
+        finally:
+            rc = agent.terminate()
+        assert rc == 0
