@@ -87,3 +87,12 @@ def test_redaction_rule(text, secret):
     shown = redact(text)
     assert secret not in shown and "***" in shown
     assert redact(shown) == shown  # applying it twice changes nothing
+
+
+def test_every_sinks_reject_detail_is_redacted():
+    """Dead letters store Reject.detail; a third-party sink's detail is redacted like the webhook's."""
+    from forwarder.sinkapi import Reject
+
+    reject = Reject("http_3xx_redirect", "redirect to https://user:Secret8@h/x?code=Secret9 not followed")
+    assert "Secret8" not in reject.detail and "Secret9" not in reject.detail
+    assert reject.detail == "redirect to https://***@h/x?code=*** not followed"
