@@ -20,11 +20,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 from forwarder.approval.config import parse_approval, parse_listen
 from forwarder.approval.settings import ApprovalConfig
-from forwarder.errors import ConfigError
 from forwarder.connection_strings import appinsights_problems
+from forwarder.errors import ConfigError
 from forwarder.logutil import redact
 from forwarder.units import (
-    boolean, choice, control_characters, duration, format_duration, format_size, parse_duration, size, suggest, url_text,
+    boolean, choice, control_characters, duration, format_duration, format_size, parse_duration, size, suggest,
+    url_text,
 )
 
 SYSTEM_CONFIG_PATH = Path("/etc/sefwd/config.toml")
