@@ -194,6 +194,12 @@ def _poll_interval(value: Any) -> float:
     return seconds
 
 
+def _heartbeat(value: Any) -> float:
+    # 0 turns heartbeats off; anything else is an interval, and a heartbeat every millisecond is a flood.
+    seconds = parse_duration(value)
+    return 0.0 if seconds == 0 else duration(1.0, 86400.0)(value)
+
+
 def _directory(value: Any) -> Path:
     text = _string(value).strip()
     if not text:
@@ -243,7 +249,7 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "dir": _Key(None, _directory),
     },
     "agent": {
-        "heartbeat": _Key("5m", duration(0.0, DAY)),
+        "heartbeat": _Key("5m", _heartbeat),
         "log_level": _Key("info", choice(LOG_LEVELS, aliases={"warn": "warning"})),
         "drain_timeout": _Key("10s", duration(0.0, 3600.0)),
     },
@@ -253,8 +259,9 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "fsync": _Key(True, boolean),
     },
     "delivery": {
-        "retry_initial": _Key("1s", duration(0.0, 3600.0, low_inclusive=False)),
-        "retry_max": _Key("60s", duration(0.0, DAY, low_inclusive=False)),
+        # Floors keep a failing sink from being retried in a busy loop.
+        "retry_initial": _Key("1s", duration(0.01, 3600.0)),
+        "retry_max": _Key("60s", duration(0.1, DAY)),
         "retry_after_cap": _Key("5m", duration(0.0, DAY)),
     },
     "telemetry": {

@@ -94,7 +94,8 @@ def test_hostile_value_is_refused_and_named(key, value):
     ("imds.timeout", "61s"), ("imds.first_call_timeout", "11m"), ("imds.poll_interval", "2h"),
     ("imds.poll_interval", "499ms"), ("agent.heartbeat", "2d"), ("delivery.retry_max", "2d"),
     ("journal.max_size", "65GiB"), ("journal.segment_size", "2GiB"), ("approval.callback.tolerance", "2h"),
-    ("approval.rules.duration_max", 8 * 86400), ("sinks.timeout", "11m"), ("approval.callback.max_body", "2MiB"),
+    ("approval.rules.duration_max", 8 * 86400), ("agent.heartbeat", "1ms"), ("delivery.retry_initial", "1ms"),
+    ("delivery.retry_max", "10ms"), ("sinks.timeout", "11m"), ("approval.callback.max_body", "2MiB"),
 ])
 def test_values_beyond_the_documented_maximum(key, value):
     data, label = nest(key, value)
