@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import email.utils
 import io
+import ipaddress
 import json
 import logging
 import math
@@ -246,8 +247,18 @@ def _client_text(address: Any) -> str:
 
 
 def _client_host(address: Any) -> str:
-    """The client's address without the port: the unit of the per-client connection cap."""
-    return str(address[0]) if isinstance(address, tuple) and address else str(address)
+    """The unit of the per-client connection cap: the IPv4 address, or the IPv6 /64 (one host's share)."""
+    host = str(address[0]) if isinstance(address, tuple) and address else str(address)
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        # One machine usually holds a whole /64: counting single addresses would let it take every slot.
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
