@@ -38,7 +38,7 @@ PATH = "/approvals"
 # Connections served at once, in all and per client address: one client (a slowloris holding idle
 # connections) can take at most a few slots, so a signed request from anyone else is still answered.
 MAX_CONNECTIONS = 32
-MAX_CONNECTIONS_PER_CLIENT = 4
+MAX_CONNECTIONS_PER_CLIENT = 8
 MAX_REQUEST_LINE = 8 * 1024
 MAX_HEADER_BYTES = 32 * 1024
 MAX_START_REQUESTS = 20

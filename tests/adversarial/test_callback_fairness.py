@@ -10,7 +10,7 @@ import orjson
 import pytest
 import requests
 
-from forwarder.approval.callback import MAX_CONNECTIONS
+from forwarder.approval.callback import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 from forwarder.emulator import Emulator
 from forwarder.signing import generate_secret, parse_secret, sign_headers
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
@@ -67,7 +67,8 @@ def test_idle_connections_from_one_client_do_not_starve_another(tmp_path):
             assert (answer.status_code, answer.json()["reason"]) == (422, "unknown_event"), answer.text
             assert time.monotonic() - started < 30
             assert agent.alive()
-            wait_until(lambda: "already has 4 connections open" in agent.logs(), 30, "the per-client cap logged")
+            cap_logged = f"already has {MAX_CONNECTIONS_PER_CLIENT} connections open"
+            wait_until(lambda: cap_logged in agent.logs(), 30, "the per-client cap logged")
         finally:
             for sock in held:
                 sock.close()

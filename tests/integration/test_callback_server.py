@@ -20,7 +20,7 @@ import trustme
 from standardwebhooks.webhooks import Webhook
 
 from forwarder.approval import replay as replay_module
-from forwarder.approval.callback import ApprovalRequest, CallbackServer, Verdict
+from forwarder.approval.callback import MAX_CONNECTIONS_PER_CLIENT, ApprovalRequest, CallbackServer, Verdict
 from forwarder.approval.replay import ReplayCache
 from forwarder.approval.settings import CallbackSettings
 from forwarder.signing import generate_secret, parse_secret, sign_headers
@@ -86,8 +86,8 @@ def rec() -> Recorder:
 def make_server(tmp_path: Path, rec: Recorder) -> Iterator[Callable[..., CallbackServer]]:
     started: list[CallbackServer] = []
 
-    def make(clock: Callable[[], float] = time.time, max_connections: int = 32, max_per_client: int = 4,
-             **overrides: Any) -> CallbackServer:
+    def make(clock: Callable[[], float] = time.time, max_connections: int = 32,
+             max_per_client: int = MAX_CONNECTIONS_PER_CLIENT, **overrides: Any) -> CallbackServer:
         server = CallbackServer(
             make_settings(**overrides), rec.decide, rec.audit, tmp_path / "replay.log",
             clock=clock, max_connections=max_connections, max_per_client=max_per_client,
