@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 import uuid
+from pathlib import Path
 
 import orjson
 import pytest
@@ -39,16 +40,20 @@ def idle_connection(port: int, source: str) -> socket.socket | None:
     return sock
 
 
+def start_agent(tmp_path: Path, emu: Emulator, port: int, client_timeout: str) -> AgentProcess:
+    config = write_config(tmp_path / "c.toml", emu.vm_url("vm0"), tmp_path / "state", extra=(
+        "[approval.callback]\n"
+        f'listen = "127.0.0.1:{port}"\nsecret_env = "CB_SECRET"\nrate_limit = 600\n'
+        f'client_timeout = "{client_timeout}"\n'
+    ))
+    return AgentProcess(config, tmp_path / "agent.log", env={"CB_SECRET": SECRET})
+
+
 def test_idle_connections_from_one_client_do_not_starve_another(tmp_path):
     port = free_port()
     with Emulator(vms=["vm0"], rate_limit=None) as emu:
-        config = write_config(tmp_path / "c.toml", emu.vm_url("vm0"), tmp_path / "state", extra=(
-            "[approval.callback]\n"
-            f'listen = "127.0.0.1:{port}"\nsecret_env = "CB_SECRET"\nrate_limit = 600\n'
-            # Long enough that the idle connections are still held when the signed request comes.
-            'client_timeout = "60s"\n'
-        ))
-        agent = AgentProcess(config, tmp_path / "agent.log", env={"CB_SECRET": SECRET})
+        # client_timeout: long enough that the idle connections are still held when the signed request comes.
+        agent = start_agent(tmp_path, emu, port, "60s")
         held: list[socket.socket] = []
         try:
             wait_until(lambda: read_jsonl(tmp_path / "out.jsonl"), 60, "the agent's first records")
@@ -91,11 +96,7 @@ def read_answer(sock: socket.socket, timeout: float) -> bytes:
 def test_idle_and_dripping_connections_are_cut_at_the_deadline(tmp_path):
     port = free_port()
     with Emulator(vms=["vm0"], rate_limit=None) as emu:
-        config = write_config(tmp_path / "c.toml", emu.vm_url("vm0"), tmp_path / "state", extra=(
-            "[approval.callback]\n"
-            f'listen = "127.0.0.1:{port}"\nsecret_env = "CB_SECRET"\nrate_limit = 600\nclient_timeout = "1s"\n'
-        ))
-        agent = AgentProcess(config, tmp_path / "agent.log", env={"CB_SECRET": SECRET})
+        agent = start_agent(tmp_path, emu, port, "1s")
         try:
             wait_until(lambda: "approval callback listening" in agent.logs(), 60, "the callback listening")
             idle = idle_connection(port, "127.0.0.2")
