@@ -240,3 +240,13 @@ def test_check_and_run_refuse_the_same_file_listing_every_problem(tmp_path, comm
     assert not missing, err
     assert "SECRETCODE" not in err
     assert not (tmp_path / "state").exists()  # refused before anything was created
+
+
+def test_broken_toml_names_line_and_column(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text('[imds]\npoll_interval = "1s"\ntimeout = 5s\n')
+    done = subprocess.run([sys.executable, "-m", "forwarder", "config", "check", "--config", str(config)],
+                          capture_output=True, cwd=str(ROOT), env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+                          timeout=60)
+    err = done.stderr.decode()
+    assert done.returncode == 2 and "line 3" in err and "column" in err and "Traceback" not in err, err
