@@ -38,17 +38,20 @@ def _finite_number(value: object, what: str) -> float:
     return float(value)
 
 
-def parse_duration(value: object) -> float:
-    """Seconds from "1s", "500ms", "5m", "2h", "1d", or a bare number of seconds."""
+def _seconds(value: object) -> float:
     if isinstance(value, str):
         m = _DURATION.match(value)
         if not m:
             raise ValueError(f"expected a duration like '1s', '500ms', '5m', got {value!r}")
-        seconds = float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"]
-    else:
-        seconds = _finite_number(value, "a duration like '1s' or '500ms'")
+        return float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"]
+    return _finite_number(value, "a duration like '1s' or '500ms'")
+
+
+def parse_duration(value: object) -> float:
+    """Seconds from "1s", "500ms", "5m", "2h", "1d", or a bare number of seconds (at most 100 years)."""
+    seconds = _seconds(value)
     if seconds > _MAX_SECONDS:
-        raise ValueError(f"is far too long, got {value!r}")
+        raise ValueError(f"must be at most {format_duration(_MAX_SECONDS)}, got {value!r}")
     return seconds
 
 
@@ -85,9 +88,9 @@ def format_size(size: int) -> str:
 # -- bounded parsers: each returns a parse(value) for one key ------------------------------------
 
 def duration(low: float, high: float, *, low_inclusive: bool = True) -> Callable[[Any], float]:
-    """A duration in [low, high] (or (low, high] with ``low_inclusive=False``)."""
+    """A duration in [low, high] (or (low, high] with ``low_inclusive=False``); ``high`` must be finite."""
     def parse(value: Any) -> float:
-        seconds = parse_duration(value)
+        seconds = _seconds(value)
         if (seconds < low) if low_inclusive else (seconds <= low):
             word = "at least" if low_inclusive else "greater than"
             raise ValueError(f"must be {word} {format_duration(low)}, got {value!r}")
