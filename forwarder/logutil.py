@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import re
 import sys
+import threading
 import time
 from collections.abc import Callable
+from types import TracebackType
 
 _CHARS = r"[^\s'\"<>`]"
 # scheme://[userinfo@]host[path][?query][#fragment]; userinfo runs to the last "@" before a space,
@@ -67,11 +69,27 @@ def setup_logging(level: str = "info") -> None:
     handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
+    # Uncaught exceptions print straight to stderr otherwise, past the redaction.
+    sys.excepthook = _log_uncaught
+    threading.excepthook = _log_uncaught_in_thread
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     if level.lower() != "debug":
         # The Azure SDKs log every HTTP request at INFO: noise for an agent that sends all day.
         for name in ("azure", "urllib3"):
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _log_uncaught(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    logging.getLogger("forwarder").critical("uncaught exception", exc_info=(exc_type, exc, tb))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    exc = args.exc_value if args.exc_value is not None else args.exc_type()
+    logging.getLogger("forwarder").error("uncaught exception in thread %s", name,
+                                         exc_info=(args.exc_type, exc, args.exc_traceback))
 
 
 class RateLimitedLog:

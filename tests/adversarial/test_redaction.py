@@ -96,3 +96,21 @@ def test_every_sinks_reject_detail_is_redacted():
     reject = Reject("http_3xx_redirect", "redirect to https://user:Secret8@h/x?code=Secret9 not followed")
     assert "Secret8" not in reject.detail and "Secret9" not in reject.detail
     assert reject.detail == "redirect to https://***@h/x?code=*** not followed"
+
+
+def test_uncaught_exceptions_are_redacted_too():
+    """A traceback printed by Python itself (main thread or a worker) goes through the same rule."""
+    script = (
+        "import threading\n"
+        "from forwarder.logutil import setup_logging\n"
+        "setup_logging('info')\n"
+        "def boom():\n"
+        "    raise ConnectionError('Max retries exceeded with url: /hook?code=Secret10')\n"
+        "t = threading.Thread(target=boom, name='worker'); t.start(); t.join()\n"
+        "raise ValueError('bad redirect to https://u:Secret11@h/')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, cwd=str(ROOT), timeout=60)
+    err = done.stderr.decode()
+    assert done.returncode == 1
+    assert "uncaught exception in thread worker" in err and "Traceback" in err and "ValueError" in err, err
+    assert "Secret10" not in err and "Secret11" not in err, err
