@@ -8,7 +8,6 @@ in sink options are passed to the sink unchanged.
 """
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import sys
@@ -21,8 +20,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 from forwarder.approval.config import parse_approval, parse_listen
 from forwarder.approval.settings import ApprovalConfig
+from forwarder.connection_strings import appinsights_problems
 from forwarder.errors import ConfigError
-from forwarder.units import format_duration, parse_duration, parse_size
+from forwarder.logutil import redact
+from forwarder.units import (
+    boolean, choice, control_characters, duration, format_duration, format_size, parse_duration, size, suggest,
+    url_text,
+)
 
 SYSTEM_CONFIG_PATH = Path("/etc/sefwd/config.toml")
 DEFAULTS_SOURCE = "built-in defaults"
@@ -35,8 +39,9 @@ LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 # Sink types whose SDK ships as a pip extra of the same name.
 SINK_EXTRAS: dict[str, str] = {"eventhubs": "eventhubs", "loganalytics": "loganalytics", "appinsights": "appinsights",
                                "eventgrid": "eventgrid"}
-# IMDS throttles above 5 requests per second per VM.
-MIN_POLL_INTERVAL = 0.2
+# IMDS throttles above 5 requests per second per VM; polls take at most 2 of them, leaving room
+# for approvals, instance metadata and managed-identity tokens.
+MIN_POLL_INTERVAL = 0.5
 MAX_POLL_INTERVAL = 3600.0
 # The sink name becomes a directory under the state dir, so it must stay one plain path part.
 _SINK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -141,6 +146,7 @@ class Config:
 
 
 # -- value parsers: raw TOML value or env string -> parsed value, or ValueError ------------------
+# Bounds and units come from the one toolkit (forwarder.units); these add the config's own kinds.
 
 def _string(value: Any) -> str:
     if not isinstance(value, str):
@@ -149,16 +155,18 @@ def _string(value: Any) -> str:
 
 
 def _endpoint(value: Any) -> str:
-    text = _string(value).strip()
+    text = url_text(value)
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http:// or https:// URL with a host, got {value!r}")
+        raise ValueError(f"must be an http:// or https:// URL with a host, got {redact(text)!r}")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError("must not carry user:password@ (IMDS needs none, and it would be sent as the Host)")
     if parts.query or parts.fragment:
-        raise ValueError(f"must be a base URL without query or fragment, got {value!r}")
+        raise ValueError(f"must be a base URL without query or fragment, got {redact(text)!r}")
     try:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
-        raise ValueError(f"has an invalid port: {value!r}") from None
+        raise ValueError(f"has an invalid port: {text!r}") from None
     # The client appends /metadata/...; a trailing slash would double it.
     return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
 
@@ -166,7 +174,8 @@ def _endpoint(value: Any) -> str:
 def _api_version(value: Any) -> str:
     text = _string(value).strip()
     if text not in SUPPORTED_API_VERSIONS:
-        raise ValueError(f"unsupported api-version {value!r} (supported: {', '.join(SUPPORTED_API_VERSIONS)})")
+        raise ValueError(f"unsupported api-version {value!r} (supported: {', '.join(SUPPORTED_API_VERSIONS)})"
+                         f"{suggest(text, SUPPORTED_API_VERSIONS)}")
     return text
 
 
@@ -177,43 +186,31 @@ def _compute_api_version(value: Any) -> str:
     return text
 
 
-def _duration(low: float, high: float | None = None, *, low_inclusive: bool = True) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        seconds = parse_duration(value)
-        if (seconds < low) if low_inclusive else (seconds <= low):
-            word = "at least" if low_inclusive else "greater than"
-            raise ValueError(f"must be {word} {format_duration(low)}, got {value!r}")
-        if high is not None and seconds > high:
-            raise ValueError(f"must be at most {format_duration(high)}, got {value!r}")
-        return seconds
+def _poll_interval(value: Any) -> float:
+    seconds = parse_duration(value)
+    if seconds < MIN_POLL_INTERVAL:
+        raise ValueError(
+            f"must be at least {format_duration(MIN_POLL_INTERVAL)}, got {value!r}: IMDS allows 5 requests "
+            "per second per VM, and approvals, instance metadata and managed-identity tokens need room beside the polls")
+    if seconds > MAX_POLL_INTERVAL:
+        raise ValueError(f"must be at most {format_duration(MAX_POLL_INTERVAL)}, got {value!r}: "
+                         "a Spot eviction gives 30 seconds of notice")
+    return seconds
 
-    return parse
 
-
-def _log_level(value: Any) -> str:
-    text = _string(value).strip().lower()
-    if text == "warn":
-        text = "warning"
-    if text not in LOG_LEVELS:
-        raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
-    return text
+def _heartbeat(value: Any) -> float:
+    # 0 turns heartbeats off; anything else is an interval, and a heartbeat every millisecond is a flood.
+    seconds = parse_duration(value)
+    return 0.0 if seconds == 0 else duration(1.0, 86400.0)(value)
 
 
 def _directory(value: Any) -> Path:
     text = _string(value).strip()
     if not text:
         raise ValueError("must not be empty")
+    if "\0" in text:
+        raise ValueError("must not contain NUL")
     return Path(text).expanduser()
-
-
-def _size(low: int) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        size = parse_size(value)
-        if size < low:
-            raise ValueError(f"must be at least {low} bytes, got {value!r}")
-        return size
-
-    return parse
 
 
 def _telemetry_listen(value: Any) -> tuple[str, int]:
@@ -240,15 +237,9 @@ def _nonempty(value: Any) -> str:
     text = _string(value).strip()
     if not text:
         raise ValueError("must not be empty")
+    if control_characters(text):
+        raise ValueError("must not contain spaces or control characters")
     return text
-
-
-def _bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        return value.strip().lower() in ("true", "1", "yes", "on")
-    raise ValueError(f"expected true or false, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -257,54 +248,58 @@ class _Key:
     parse: Callable[[Any], Any]
 
 
-# The one place that says which flat sections and keys exist; [approval] is nested (forwarder.approval.config).
+# The one place that says which flat sections and keys exist, with each key's limits (documented
+# in docs/config-and-secrets.md); [approval] is nested (forwarder.approval.config).
+DAY = 86400.0
 SECTIONS: dict[str, dict[str, _Key]] = {
     "imds": {
         "endpoint": _Key("http://169.254.169.254", _endpoint),
         "api_version": _Key("2020-07-01", _api_version),
-        "poll_interval": _Key("1s", _duration(MIN_POLL_INTERVAL, MAX_POLL_INTERVAL)),
-        "timeout": _Key("5s", _duration(0.0, low_inclusive=False)),
-        "first_call_timeout": _Key("150s", _duration(0.0, low_inclusive=False)),
+        "poll_interval": _Key("1s", _poll_interval),
+        "timeout": _Key("5s", duration(0.0, 60.0, low_inclusive=False)),
+        "first_call_timeout": _Key("150s", duration(0.0, 600.0, low_inclusive=False)),
         "compute_api_version": _Key("2021-02-01", _compute_api_version),
-        "compute_refresh": _Key("1h", _duration(0.0, low_inclusive=False)),
+        "compute_refresh": _Key("1h", duration(0.0, 7 * DAY, low_inclusive=False)),
     },
     "state": {
         "dir": _Key(None, _directory),
     },
     "agent": {
-        "heartbeat": _Key("5m", _duration(0.0)),
-        "log_level": _Key("info", _log_level),
-        "drain_timeout": _Key("10s", _duration(0.0)),
+        "heartbeat": _Key("5m", _heartbeat),
+        "log_level": _Key("info", choice(LOG_LEVELS, aliases={"warn": "warning"})),
+        "drain_timeout": _Key("10s", duration(0.0, 3600.0)),
         "heartbeat_file": _Key("", _optional_file),
     },
     "journal": {
-        "max_size": _Key("256MiB", _size(1024 * 1024)),
-        "segment_size": _Key("8MiB", _size(64 * 1024)),
-        "fsync": _Key(True, _bool),
+        "max_size": _Key("256MiB", size(1024 * 1024, 64 * 1024**3)),
+        "segment_size": _Key("8MiB", size(64 * 1024, 1024**3)),
+        "fsync": _Key(True, boolean),
     },
     "delivery": {
-        "retry_initial": _Key("1s", _duration(0.0, low_inclusive=False)),
-        "retry_max": _Key("60s", _duration(0.0, low_inclusive=False)),
-        "retry_after_cap": _Key("5m", _duration(0.0)),
+        # Floors keep a failing sink from being retried in a busy loop.
+        "retry_initial": _Key("1s", duration(0.01, 3600.0)),
+        "retry_max": _Key("60s", duration(0.1, DAY)),
+        "retry_after_cap": _Key("5m", duration(0.0, DAY)),
     },
     "telemetry": {
         "listen": _Key(None, _telemetry_listen),
         "connection_string_env": _Key(None, _nonempty),
         "connection_string_file": _Key(None, _nonempty),
-        "unhealthy_after": _Key("5m", _duration(0.0, low_inclusive=False)),
-        "export_interval": _Key("60s", _duration(1.0)),
+        "unhealthy_after": _Key("5m", duration(0.0, 7 * DAY, low_inclusive=False)),
+        "export_interval": _Key("60s", duration(1.0, DAY)),
         "credential": _Key(None, _telemetry_credential),
         "client_id": _Key(None, _nonempty),
     },
 }
+# Pairs of keys (section, low key, high key) whose values must be ordered: low <= high.
+ORDERED_KEYS: tuple[tuple[str, str, str, Callable[[Any], str]], ...] = (
+    ("journal", "segment_size", "max_size", format_size),
+    ("delivery", "retry_initial", "retry_max", format_duration),
+)
+MAX_SINK_AGE = 365 * DAY
 # Nested tables with their own parsers, beside the flat SECTIONS.
 _NESTED = ("sinks", "approval")
 _TOP_LEVEL = (*SECTIONS, *_NESTED)
-
-
-def _suggest(word: str, choices: Any) -> str:
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def _env_name(section: str, key: str) -> str:
@@ -341,10 +336,10 @@ def _parse_sections(
             continue
         if section not in SECTIONS:
             if isinstance(table, Mapping):
-                problems.append(f"unknown section [{section}]{_suggest(section, _TOP_LEVEL)}")
+                problems.append(f"unknown section [{section}]{suggest(section, _TOP_LEVEL)}")
             else:
                 owners = [f"{s}.{section}" for s, keys in SECTIONS.items() if section in keys]
-                hint = f" (did you mean {owners[0]!r}?)" if owners else _suggest(section, _TOP_LEVEL)
+                hint = f" (did you mean {owners[0]!r}?)" if owners else suggest(section, _TOP_LEVEL)
                 problems.append(f"unknown top-level key {section!r}{hint}")
             continue
         if not isinstance(table, Mapping):
@@ -352,7 +347,7 @@ def _parse_sections(
             continue
         for key, value in table.items():
             if key not in SECTIONS[section]:
-                problems.append(f"unknown key {section}.{key}{_suggest(key, SECTIONS[section])}")
+                problems.append(f"unknown key {section}.{key}{suggest(key, SECTIONS[section])}")
                 continue
             raw[section][key] = (value, f"{section}.{key}")
     for var in sorted(env):
@@ -365,7 +360,7 @@ def _parse_sections(
             if key not in keys:
                 names = [_env_name(section, k) for k in keys]
                 problems.append(
-                    f"unknown environment variable {var}: [{section}] has no key {key!r}{_suggest(var, names)}"
+                    f"unknown environment variable {var}: [{section}] has no key {key!r}{suggest(var, names)}"
                 )
             elif value != "":  # an empty value means "not set", as systemd and Docker env files write it
                 raw[section][key] = (value, f"environment {var}")
@@ -380,6 +375,12 @@ def _parse_sections(
                 parsed[section][key] = spec.parse(value)
             except ValueError as exc:
                 problems.append(f"{label}: {exc}")
+    for section, low, high, show in ORDERED_KEYS:
+        values = parsed[section]
+        if low in values and high in values and values[low] > values[high]:
+            label = raw[section].get(low, (None, f"{section}.{low}"))[1]
+            problems.append(f"{label}: {section}.{low} ({show(values[low])}) must not exceed "
+                            f"{section}.{high} ({show(values[high])})")
     state_dir = parsed["state"].get("dir")
     if state_dir is None:
         if "dir" not in raw["state"]:
@@ -427,6 +428,14 @@ def _telemetry_problems(values: Mapping[str, Any], env: Mapping[str, str]) -> li
         problems.append(f"telemetry.connection_string_env: environment variable {var} is not set")
     elif path and not os.path.isfile(os.path.expanduser(path)):
         problems.append(f"telemetry.connection_string_file: {path} is not a file")
+    elif var or path:
+        try:
+            text = env[var].strip() if var else Path(str(path)).expanduser().read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            problems.append(f"telemetry.connection_string_file: cannot read {path}: {exc}")
+        else:
+            where = f"environment variable {var}" if var else f"file {path}"
+            problems.extend(f"telemetry ({where}): {p}" for p in appinsights_problems(text))
     exporting = bool(values.get("connection_string_env") or values.get("connection_string_file"))
     if values.get("credential") and not exporting:
         problems.append("telemetry.credential is for the Azure Monitor export: set connection_string_env or connection_string_file")
@@ -446,6 +455,20 @@ def _telemetry_problems(values: Mapping[str, Any], env: Mapping[str, str]) -> li
     return problems
 
 
+def _url_option_problems(options: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """CR/LF or other control characters in any URL-like option (a sink's own check may not look)."""
+    problems = []
+    for key, value in options.items():
+        if isinstance(value, Mapping):
+            problems += _url_option_problems(value, f"{prefix}{key}.")
+        elif isinstance(value, str) and "://" in value:
+            try:
+                url_text(value)
+            except ValueError as exc:
+                problems.append(f"option '{prefix}{key}': {exc}")
+    return problems
+
+
 def _check_sink_options(index: int, sink: SinkConfig, problems: list[str]) -> None:
     from forwarder.sinkapi import load_sink_factory
 
@@ -458,6 +481,7 @@ def _check_sink_options(index: int, sink: SinkConfig, problems: list[str]) -> No
     except ImportError as exc:
         problems.append(f"{where}: sink type {sink.type!r} cannot be loaded: {exc}{_missing_extra_hint(sink.type)}")
         return
+    problems.extend(f"{where}: {p}" for p in _url_option_problems(sink.options))
     check = getattr(factory, "check", None)
     if not callable(check):
         problems.append(f"{where}: sink type {sink.type!r} has no check(options) classmethod")
@@ -515,7 +539,7 @@ def _parse_sinks(data: Mapping[str, Any], check_sinks: bool, problems: list[str]
         max_age = None
         if "max_age" in entry:
             try:
-                max_age = _duration(0.0, low_inclusive=False)(entry["max_age"])
+                max_age = duration(0.0, MAX_SINK_AGE, low_inclusive=False)(entry["max_age"])
             except ValueError as exc:
                 problems.append(f"sinks[{index}] ({name}): max_age {exc}")
         sink = SinkConfig(type=type_name, name=name, options=options, max_age=max_age)
@@ -611,20 +635,6 @@ def _is_secret(key: str) -> bool:
     return any(word in lowered for word in _SECRET_WORDS)
 
 
-def _redact_url(text: str) -> str:
-    """Hide credentials a URL may carry (user:password@, SAS or code= query strings)."""
-    try:
-        parts = urlsplit(text)
-    except ValueError:
-        return text
-    if parts.scheme not in ("http", "https", "sb", "amqps") or not parts.netloc:
-        return text
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
-
-
 def _show(key: str, value: Any) -> str:
     if _is_secret(key):
         return "***"
@@ -635,7 +645,7 @@ def _show(key: str, value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return repr(_redact_url(value))
+        return repr(redact(value))
     return repr(value)
 
 
@@ -645,7 +655,7 @@ def describe(config: Config) -> str:
     heartbeat = format_duration(agent.heartbeat) if agent.heartbeat else "off"
     lines = [
         f"source: {config.source}",
-        f"imds: {_redact_url(imds.endpoint)} api-version {imds.api_version}, poll every "
+        f"imds: {redact(imds.endpoint)} api-version {imds.api_version}, poll every "
         f"{format_duration(imds.poll_interval)} (timeout {format_duration(imds.timeout)}, first call "
         f"{format_duration(imds.first_call_timeout)}); compute api-version {imds.compute_api_version}, "
         f"re-read every {format_duration(imds.compute_refresh)}",
@@ -697,7 +707,8 @@ endpoint = "http://169.254.169.254"
 # 2019-08-01 2020-07-01. Newer versions add fields (Description, EventSource, DurationInSeconds).
 api_version = "2020-07-01"
 # How often to poll. Events give as little as 30 s notice (Preempt), so keep it short;
-# IMDS allows 5 requests per second, hence the 200ms floor (at most 1h).
+# IMDS allows 5 requests per second and approvals, instance metadata and tokens need room
+# beside the polls, hence the 500ms floor (at most 1h).
 poll_interval = "1s"
 # Read timeout of a normal poll.
 timeout = "5s"

@@ -1,23 +1,95 @@
-"""Logging helpers: stderr setup and rate-limiting of repeated identical errors."""
+"""Logging helpers: stderr setup, secret redaction of every line, and rate-limiting of repeated errors.
+
+The redaction rule (docs/config-and-secrets.md): in every URL, user:password@ becomes ``***@`` and
+every query value becomes ``***`` (except ``api-version``, never secret); a path with a query in a
+request line (``"POST /hook?code=..."``) is treated the same; connection-string keys
+(SharedAccessKey, SharedAccessSignature, AccountKey) lose their values.
+"""
 from __future__ import annotations
 
 import logging
+import re
 import sys
+import threading
 import time
 from collections.abc import Callable
+from types import TracebackType
+
+_CHARS = r"[^\s'\"<>`]"
+# scheme://[userinfo@]host[path][?query][#fragment]; userinfo runs to the last "@" before a space,
+# so a password holding "/" or "?" is still hidden (an "@" in a query over-masks, harmlessly).
+_URL = re.compile(
+    r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]{0,15}://)(?P<userinfo>(?:[^\s'\"<>`@]*@)+)?"
+    r"(?P<host>[^\s'\"<>`/?#]*)(?P<path>[^\s'\"<>`?#]*)(?P<query>\?[^\s'\"<>`#]*)?(?P<fragment>#[^\s'\"<>`]*)?"
+)
+# A request target without scheme and host, as urllib3 and requests log it ("POST /hook?code=x HTTP/1.1").
+_PATH_QUERY = re.compile(rf"(?P<lead>^|[\s'\"(=:])(?P<path>/{_CHARS}*?)(?P<query>\?{_CHARS}*)")
+_CONN_KEYS = re.compile(r"(?i)\b(SharedAccessKey|SharedAccessSignature|AccountKey)=[^;\s'\"]+")
+_KEEP_PARAMS = frozenset({"api-version"})
+MASK = "***"
+
+
+def _query(text: str) -> str:
+    if not text:
+        return ""
+    kept = []
+    for pair in text[1:].split("&"):
+        name, sep, _value = pair.partition("=")
+        kept.append(pair if name.lower() in _KEEP_PARAMS else f"{name}{sep}{MASK}" if sep else MASK)
+    return "?" + "&".join(kept)
+
+
+def _url(m: re.Match[str]) -> str:
+    userinfo = f"{MASK}@" if m.group("userinfo") else ""
+    return f"{m.group('scheme')}{userinfo}{m.group('host')}{m.group('path')}{_query(m.group('query') or '')}"
+
+
+def redact(text: str) -> str:
+    """``text`` with URL userinfo, query values and connection-string keys masked: the one redaction rule."""
+    text = _URL.sub(_url, text)
+    text = _PATH_QUERY.sub(lambda m: f"{m.group('lead')}{m.group('path')}{_query(m.group('query'))}", text)
+    return _CONN_KEYS.sub(lambda m: f"{m.group(1)}={MASK}", text)
+
+
+
+class RedactingFormatter(logging.Formatter):
+    """Formats as usual, then redacts the whole line: message, arguments, exception and stack texts.
+
+    Third-party loggers (urllib3, azure-core) put URLs into their arguments, so redacting the
+    formatted line is the only place that sees every one of them.
+    """
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
 
 
 def setup_logging(level: str = "info") -> None:
-    """All logs go to stderr: stdout carries records only."""
+    """All logs go to stderr (stdout carries records only), redacted by RedactingFormatter."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
+    # Uncaught exceptions print straight to stderr otherwise, past the redaction.
+    sys.excepthook = _log_uncaught
+    threading.excepthook = _log_uncaught_in_thread
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     if level.lower() != "debug":
         # The Azure SDKs log every HTTP request at INFO: noise for an agent that sends all day.
         for name in ("azure", "urllib3"):
             logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _log_uncaught(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+    logging.getLogger("forwarder").critical("uncaught exception", exc_info=(exc_type, exc, tb))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    exc = args.exc_value if args.exc_value is not None else args.exc_type()
+    logging.getLogger("forwarder").error("uncaught exception in thread %s", name,
+                                         exc_info=(args.exc_type, exc, args.exc_traceback))
 
 
 class RateLimitedLog:

@@ -17,6 +17,8 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import orjson
 
+from forwarder.logutil import redact
+
 ENTRY_POINT_GROUP = "scheduled_events_forwarder.sinks"
 
 # Built-in sinks, imported lazily by name.
@@ -74,6 +76,10 @@ class Reject:
 
     reason: str
     detail: str = ""
+
+    def __post_init__(self) -> None:
+        # The detail is stored and shown: whatever sink wrote it, no URL secret gets that far.
+        object.__setattr__(self, "detail", redact(self.detail))
 
 
 Result = Ok | Retry | Reject

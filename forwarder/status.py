@@ -13,7 +13,7 @@ import orjson
 
 from forwarder import __version__
 from forwarder.errors import ForwarderError
-from forwarder.logutil import RateLimitedLog
+from forwarder.logutil import RateLimitedLog, redact
 from forwarder.records import rfc3339, utcnow
 from forwarder.store import DB_FILE, Store
 
@@ -155,7 +155,7 @@ def format_status(s: dict[str, Any]) -> str:
                 + (f" (oldest {oldest:.1f}s)" if oldest is not None else "")
                 + f", delivered {sk.get('delivered', 0)}, retries {sk.get('retries', 0)}, "
                 f"dead letters {s['dead_letters'].get(name, 0)}"
-                + (f", last error {sk['last_error']}" if sk.get("last_error") else "")
+                + (f", last error {redact(str(sk['last_error']))}" if sk.get("last_error") else "")
             )
         if agent.get("data_lost"):
             lost = agent["data_lost"]

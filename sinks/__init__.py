@@ -13,12 +13,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, Sink, SinkContext
-from forwarder.units import parse_duration
+from forwarder.units import duration, integer
 
 __all__ = [
     "Ok", "Record", "Reject", "Result", "Retry", "Sink", "SinkContext",
-    "check_bool", "retry_for_os_error", "unknown_options",
+    "check_bool", "check_int_range", "check_positive_duration", "check_readable_file", "retry_for_os_error",
+    "unknown_options",
 ]
+
+# A sink call that takes longer than this is stuck, not slow (forwarder.units refuses nan and inf).
+MAX_SINK_TIMEOUT = 600.0
 
 # Local-I/O failures are retried, never dead-lettered: a full disk or a permission fixed by the
 # operator comes back, and the journal keeps the records until it does.
@@ -48,7 +52,7 @@ def unknown_options(options: Mapping[str, Any], known: Mapping[str, str]) -> lis
 
 
 def check_bool(options: Mapping[str, Any], key: str) -> list[str]:
-    """A problem if ``key`` is present and not a boolean."""
+    """A problem if ``key`` is present and not a TOML boolean (sinks read the raw value: "false" is truthy)."""
     if key in options and not isinstance(options[key], bool):
         return [f"option {key!r} must be true or false, got {options[key]!r}"]
     return []
@@ -58,19 +62,19 @@ def check_int_range(options: Mapping[str, Any], key: str, low: int, high: int) -
     """A problem if ``key`` is set but not an integer in [low, high]."""
     if key not in options:
         return []
-    value = options[key]
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        return [f"option {key!r} must be an integer from {low} to {high}, got {value!r}"]
+    try:
+        integer(low, high)(options[key])
+    except ValueError as exc:
+        return [f"option {key!r} {exc}"]
     return []
 
 
-def check_positive_duration(options: Mapping[str, Any], key: str) -> list[str]:
-    """A problem if ``key`` is set but not a duration greater than zero."""
+def check_positive_duration(options: Mapping[str, Any], key: str, high: float = MAX_SINK_TIMEOUT) -> list[str]:
+    """A problem if ``key`` is set but not a duration greater than zero and at most ``high``."""
     if key not in options:
         return []
     try:
-        if parse_duration(options[key]) <= 0:
-            return [f"option {key!r} must be greater than zero"]
+        duration(0.0, high, low_inclusive=False)(options[key])
     except ValueError as exc:
         return [f"option {key!r}: {exc}"]
     return []

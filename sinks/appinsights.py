@@ -33,6 +33,7 @@ from forwarder import __version__
 from forwarder.records import rfc3339, utcnow
 from forwarder.retry import parse_retry_after
 from forwarder.sinkapi import Record, Result, Retry, SinkContext
+from forwarder.connection_strings import appinsights_problems
 from forwarder.units import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import (
@@ -177,10 +178,12 @@ class AppInsightsSink:
             if text is None:
                 problems.append("set connection_string_env or connection_string_file (never the string inline)")
             else:
-                try:
-                    ConnectionString.parse(text)
-                except ValueError as exc:
-                    problems.append(str(exc))
+                problems += appinsights_problems(text)
+                if not problems:
+                    try:
+                        ConnectionString.parse(text)
+                    except ValueError as exc:
+                        problems.append(str(exc))
         problems += check_int_range(options, "batch_size", 1, MAX_BATCH)
         problems += check_positive_duration(options, "timeout")
         role = options.get("role_name")

@@ -49,6 +49,7 @@ from azure.eventhub.exceptions import (
 )
 
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
+from forwarder.connection_strings import eventhubs_problems
 from forwarder.units import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import (
@@ -106,6 +107,10 @@ def _connection_string_problems(conn_str: str, eventhub: Any) -> list[str]:
         props = parse_connection_string(conn_str)
     except ValueError as exc:
         return [f"the connection string is not valid: {exc}"]
+    # What the SDK's parser lets through but its client later fails on (CR/LF, a non-sb Endpoint...).
+    problems = eventhubs_problems(conn_str)
+    if problems:
+        return problems
     entity = props.eventhub_name
     if not entity and not eventhub:
         return ["the connection string has no EntityPath: add EntityPath=<hub> to it or set option 'eventhub'"]

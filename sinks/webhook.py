@@ -42,6 +42,7 @@ import requests
 
 from forwarder import __version__
 from forwarder.errors import ConfigError
+from forwarder.logutil import redact
 from forwarder.retry import is_retryable_status, parse_retry_after
 from forwarder.signing import load_secret, sign_headers
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
@@ -144,12 +145,6 @@ def _check_headers(headers: Any) -> list[str]:
     return problems
 
 
-def _redact_url(url: str) -> str:
-    """The URL without query and fragment (Azure Functions and others put keys in ``?code=``)."""
-    parts = urlsplit(url)
-    return parts._replace(query="<redacted>" if parts.query else "", fragment="").geturl()
-
-
 def batch_id(batch: Sequence[Record]) -> str:
     """A webhook-id for a batch that is the same on every retry of the same records."""
     digest = hashlib.sha256("\n".join(r.id for r in batch).encode()).hexdigest()
@@ -185,7 +180,7 @@ class WebhookSink:
             raise ValueError("; ".join(problems))
         self.name = context.name
         self.url = options["url"].strip()
-        self._safe_url = _redact_url(self.url)
+        self._safe_url = redact(self.url)
         self._query = urlsplit(self.url).query
         self.timeout = parse_duration(options.get("timeout", DEFAULT_TIMEOUT))
         self.batch_size = int(options.get("batch_size", 1))
@@ -370,16 +365,18 @@ class WebhookSink:
             return Retry(reason=reason, delay=delay)
         if 300 <= status < 400:
             location = response.headers.get("Location")
-            where = _redact_url(location) if location else "no Location header"
+            # The Location may carry user:password@ or a key in its query: it goes to logs and dead letters.
+            where = redact(location) if location else "no Location header"
             detail = f"HTTP {status} redirect to {where} not followed; point 'url' at the final address"
             log.error("sink %r: %s", self.name, detail)
             return Reject(reason="http_3xx_redirect", detail=detail)
-        detail = answer.decode("utf-8", "replace")[:_DETAIL_CHARS]
+        detail = redact(answer.decode("utf-8", "replace")[:_DETAIL_CHARS])
         log.error("sink %r: %s refused the request with %d: %s", self.name, self._safe_url, status, detail)
         return Reject(reason=reason, detail=detail)
 
     def _redact(self, text: str) -> str:
-        return text.replace(self._query, "<redacted>") if self._query else text
+        text = text.replace(self._query, "***") if self._query else text
+        return redact(text)
 
     def close(self) -> None:
         """Close the keep-alive connections."""

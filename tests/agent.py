@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_config(path: Path, endpoint: str, state_dir: Path, *, sinks: str | None = None,
-                 poll_interval: str = "300ms", extra: str = "") -> Path:
+                 poll_interval: str = "500ms", extra: str = "") -> Path:
     out_file = state_dir.parent / "out.jsonl"
     sinks = sinks if sinks is not None else f'[[sinks]]\ntype = "file"\nname = "file"\npath = "{out_file}"\n'
     path.write_text(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import email.utils
 import io
+import ipaddress
 import json
 import logging
 import math
@@ -34,7 +35,10 @@ from forwarder.signing import SignatureError, verify
 log = logging.getLogger(__name__)
 
 PATH = "/approvals"
+# Connections served at once, in all and per client address: one client (a slowloris holding idle
+# connections) can take at most a few slots, so a signed request from anyone else is still answered.
 MAX_CONNECTIONS = 32
+MAX_CONNECTIONS_PER_CLIENT = 8
 MAX_REQUEST_LINE = 8 * 1024
 MAX_HEADER_BYTES = 32 * 1024
 MAX_START_REQUESTS = 20
@@ -240,6 +244,21 @@ def _client_text(address: Any) -> str:
     except (TypeError, IndexError):
         return str(address)
     return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+def _client_host(address: Any) -> str:
+    """The unit of the per-client connection cap: the IPv4 address, or the IPv6 /64 (one host's share)."""
+    host = str(address[0]) if isinstance(address, tuple) and address else str(address)
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        # One machine usually holds a whole /64: counting single addresses would let it take every slot.
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -493,6 +512,7 @@ class CallbackServer:
         *,
         clock: Callable[[], float] = time.time,
         max_connections: int = MAX_CONNECTIONS,
+        max_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
     ) -> None:
         if not settings.keys:
             raise ConfigError(["approval.callback: at least one secret is required"])
@@ -504,7 +524,9 @@ class CallbackServer:
         self._replay_path = Path(replay_path)
         self._clock = clock
         self._max_connections = max_connections
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._max_per_client = max(1, min(max_per_client, max_connections - 1))
+        self._open: dict[str, int] = {}  # client address -> connections being served
+        self._open_lock = threading.Lock()
         self._buckets = _TokenBuckets(settings.rate_limit, clock)
         self._watchdog: _Watchdog = _Watchdog()
         self._tls = self._tls_context() if settings.tls_cert is not None else None
@@ -581,9 +603,34 @@ class CallbackServer:
             raise ConfigError([f"approval.callback: cannot load tls_cert/tls_key: {exc}"]) from None
         return context
 
+    def _take_slot(self, host: str) -> str | None:
+        """Reserve a connection slot for ``host``: None if taken, else why not."""
+        with self._open_lock:
+            if self._open.get(host, 0) >= self._max_per_client:
+                return "client"
+            if sum(self._open.values()) >= self._max_connections:
+                return "busy"
+            self._open[host] = self._open.get(host, 0) + 1
+            return None
+
+    def _release_slot(self, host: str) -> None:
+        with self._open_lock:
+            left = self._open.get(host, 0) - 1
+            if left > 0:
+                self._open[host] = left
+            else:
+                self._open.pop(host, None)
+
     def _spawn(self, sock: socket.socket, address: Any) -> None:
         """Runs on the accept loop: must never block."""
-        if not self._slots.acquire(blocking=False):
+        host = _client_host(address)
+        refused = self._take_slot(host)
+        if refused == "client":
+            self._warn("busy_client", "approval callback: %s already has %d connections open, dropping another",
+                       host, self._max_per_client)
+            sock.close()
+            return
+        if refused == "busy":
             self._warn("busy", "approval callback: %d connections open, dropping one from %s",
                        self._max_connections, _client_text(address))
             sock.close()
@@ -596,7 +643,7 @@ class CallbackServer:
         except RuntimeError:
             with self._threads_lock:
                 self._threads.discard(thread)
-            self._slots.release()
+            self._release_slot(host)
             sock.close()
 
     def _connection(self, sock: socket.socket, address: Any) -> None:
@@ -622,7 +669,7 @@ class CallbackServer:
         finally:
             self._watchdog.unregister(conn)
             self._close(conn.sock, drain=handler is not None and not handler.body_read)
-            self._slots.release()
+            self._release_slot(_client_host(address))
             with self._threads_lock:
                 self._threads.discard(threading.current_thread())
 

@@ -5,17 +5,17 @@ rest of the file's; each message names the key (``approval.rules[2].duration_min
 """
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import os
 import re
+import ssl
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from forwarder.approval.settings import ACTIONS, CHANGE_KINDS, SCOPES, ApprovalConfig, CallbackSettings, Rule
 from forwarder.signing import SignatureError, parse_secret
-from forwarder.units import format_duration, parse_duration, parse_size
+from forwarder.units import boolean, choice, duration, integer, size, suggest
 
 ENV_PREFIX = "SEFWD_APPROVAL_"
 # The keys of each table, in the order the example config shows them.
@@ -40,71 +40,16 @@ MAX_HOOK_OUTPUT = 1024 * 1024
 MIN_MAX_BODY, MAX_MAX_BODY = 256, 1024 * 1024
 MAX_RATE_LIMIT = 10_000
 MAX_CLIENT_TIMEOUT = 300.0
+MAX_EVENT_DURATION = 7 * 86400
+MAX_RESOURCES = 10_000
 MIN_TOLERANCE, MAX_TOLERANCE = 1.0, 3600.0
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
-
-
-def _suggest(word: str, choices: Any) -> str:
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def _unknown_keys(table: Mapping[str, Any], known: tuple[str, ...], where: str, problems: list[str]) -> None:
     for key in table:
         if key not in known:
-            problems.append(f"unknown key {where}.{key}{_suggest(str(key), known)}")
-
-
-def _int(value: Any) -> int:
-    # TOML booleans are ints to Python; a rule saying "duration_max = true" is a mistake.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"expected an integer, got {value!r}")
-    return value
-
-
-def _non_negative_int(value: Any) -> int:
-    number = _int(value)
-    if number < 0:
-        raise ValueError(f"must not be negative, got {value!r}")
-    return number
-
-
-def _bool(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"expected true or false, got {value!r}")
-    return value
-
-
-def _duration(low: float, high: float, *, low_inclusive: bool = True) -> Callable[[Any], float]:
-    def parse(value: Any) -> float:
-        seconds = parse_duration(value)
-        if (seconds < low) if low_inclusive else (seconds <= low):
-            word = "at least" if low_inclusive else "greater than"
-            raise ValueError(f"must be {word} {format_duration(low)}, got {value!r}")
-        if seconds > high:
-            raise ValueError(f"must be at most {format_duration(high)}, got {value!r}")
-        return seconds
-
-    return parse
-
-
-def _size(low: int, high: int) -> Callable[[Any], int]:
-    def parse(value: Any) -> int:
-        size = parse_size(value)
-        if not low <= size <= high:
-            raise ValueError(f"must be between {low} and {high} bytes, got {value!r}")
-        return size
-
-    return parse
-
-
-def _scope(value: Any) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"expected a string, got {value!r}")
-    text = value.strip().lower()
-    if text not in SCOPES:
-        raise ValueError(f"must be one of {', '.join(SCOPES)}, got {value!r}{_suggest(text, SCOPES)}")
-    return text
+            problems.append(f"unknown key {where}.{key}{suggest(str(key), known)}")
 
 
 def _strings(field: str) -> Callable[[Any], tuple[str, ...]]:
@@ -135,26 +80,20 @@ def _regex(value: Any) -> re.Pattern[str]:
         raise ValueError(f"invalid regular expression {value!r}: {exc}") from None
 
 
-def _action(value: Any) -> str:
-    if not isinstance(value, str) or value not in ACTIONS:
-        hint = _suggest(value, ACTIONS) if isinstance(value, str) else ""
-        raise ValueError(f"must be one of {', '.join(ACTIONS)}, got {value!r}{hint}")
-    return value
-
-
 _RULE_PARSERS: dict[str, Callable[[Any], Any]] = {
     "event_type": _strings("event_type"),
     "event_source": _strings("event_source"),
     "event_status": _strings("event_status"),
-    "duration_min": _int,
-    "duration_max": _int,
-    "affects_this_vm": _bool,
-    "resources_min": _non_negative_int,
-    "resources_max": _non_negative_int,
+    # DurationInSeconds: -1 means unknown, and Azure never announces more than a few days.
+    "duration_min": integer(-1, MAX_EVENT_DURATION),
+    "duration_max": integer(-1, MAX_EVENT_DURATION),
+    "affects_this_vm": boolean,
+    "resources_min": integer(0, MAX_RESOURCES),
+    "resources_max": integer(0, MAX_RESOURCES),
     "description": _regex,
-    "action": _action,
-    "delay": _duration(0.0, MAX_HOOK_TIMEOUT),
-    "after_hooks": _bool,
+    "action": choice(ACTIONS, fold_case=False),
+    "delay": duration(0.0, MAX_HOOK_TIMEOUT),
+    "after_hooks": boolean,
 }
 
 
@@ -218,7 +157,7 @@ def _parse_hooks(raw: Any, problems: list[str]) -> dict[str, tuple[str, ...] | s
     for kind, command in raw.items():
         where = f"approval.hooks.{kind}"
         if kind not in CHANGE_KINDS:
-            problems.append(f"unknown change kind {where}{_suggest(str(kind), CHANGE_KINDS)} "
+            problems.append(f"unknown change kind {where}{suggest(str(kind), CHANGE_KINDS)} "
                             f"(hooks are keyed by: {', '.join(CHANGE_KINDS)})")
             continue
         if isinstance(command, str):
@@ -343,18 +282,11 @@ def _load_keys(table: Mapping[str, Any], env: Mapping[str, str], base_dir: Path 
 
 
 _CALLBACK_PARSERS: dict[str, Callable[[Any], Any]] = {
-    "max_body": _size(MIN_MAX_BODY, MAX_MAX_BODY),
-    "rate_limit": lambda v: _ranged_int(v, 1, MAX_RATE_LIMIT),
-    "client_timeout": _duration(0.0, MAX_CLIENT_TIMEOUT, low_inclusive=False),
-    "tolerance": _duration(MIN_TOLERANCE, MAX_TOLERANCE),
+    "max_body": size(MIN_MAX_BODY, MAX_MAX_BODY),
+    "rate_limit": integer(1, MAX_RATE_LIMIT),
+    "client_timeout": duration(0.0, MAX_CLIENT_TIMEOUT, low_inclusive=False),
+    "tolerance": duration(MIN_TOLERANCE, MAX_TOLERANCE),
 }
-
-
-def _ranged_int(value: Any, low: int, high: int) -> int:
-    number = _int(value)
-    if not low <= number <= high:
-        raise ValueError(f"must be between {low} and {high}, got {value!r}")
-    return number
 
 
 def _parse_callback(raw: Any, env: Mapping[str, str], base_dir: Path | None,
@@ -388,16 +320,31 @@ def _parse_callback(raw: Any, env: Mapping[str, str], base_dir: Path | None,
                 values[key] = _readable_file(raw[key], base_dir)
             except ValueError as exc:
                 problems.append(f"approval.callback.{key}: {exc}")
+    if "tls_cert" in values and "tls_key" in values:
+        problems.extend(_tls_problems(values["tls_cert"], values["tls_key"]))
     keys = _load_keys(raw, env, base_dir, problems)
     if len(problems) > before or keys is None:
         return None
     return CallbackSettings(keys=keys, **values)
 
 
+def _tls_problems(cert: Path, key: Path) -> list[str]:
+    """Load the pair as the server will at start, so a wrong or mismatched file fails the check instead."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(str(cert), str(key))
+    except (OSError, ssl.SSLError) as exc:
+        # The reason only (e.g. "KEY_VALUES_MISMATCH"): never the file's content.
+        reason = getattr(exc, "reason", None) or type(exc).__name__
+        return [f"approval.callback.tls_cert: cannot load {str(cert)!r} with tls_key {str(key)!r} ({reason}): "
+                "both must be PEM files, the key matching the certificate"]
+    return []
+
+
 _FLAT_PARSERS: dict[str, Callable[[Any], Any]] = {
-    "scope": _scope,
-    "hook_timeout": _duration(0.0, MAX_HOOK_TIMEOUT, low_inclusive=False),
-    "hook_output_limit": _size(0, MAX_HOOK_OUTPUT),
+    "scope": choice(SCOPES),
+    "hook_timeout": duration(0.0, MAX_HOOK_TIMEOUT, low_inclusive=False),
+    "hook_output_limit": size(0, MAX_HOOK_OUTPUT),
 }
 
 
@@ -422,7 +369,7 @@ def parse_approval(
         if key not in APPROVAL_ENV_KEYS:
             names = [f"{ENV_PREFIX}{k.upper()}" for k in APPROVAL_ENV_KEYS]
             problems.append(f"unknown environment variable {var}: [approval] has no flat key {key!r}"
-                            f"{_suggest(var, names)}")
+                            f"{suggest(var, names)}")
         elif env[var] != "":  # empty means unset, as elsewhere
             flat[key] = (env[var], f"environment {var}")
     values: dict[str, Any] = {}

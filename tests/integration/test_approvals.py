@@ -12,7 +12,7 @@ from tests.conftest import FIXTURES
 SEED_RULES = (FIXTURES / "seed-sample-policy.toml").read_text()
 
 
-def agent_config(tmp_path, emu, vm="myVM", approval=SEED_RULES, poll="200ms"):
+def agent_config(tmp_path, emu, vm="myVM", approval=SEED_RULES, poll="500ms"):
     return write_config(tmp_path / "c.toml", emu.vm_url(vm), tmp_path / "state", poll_interval=poll,
                         extra=approval)
 

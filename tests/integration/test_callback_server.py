@@ -20,7 +20,7 @@ import requests
 import trustme
 from standardwebhooks.webhooks import Webhook
 
-from forwarder.approval.callback import ApprovalRequest, CallbackServer, Verdict
+from forwarder.approval.callback import MAX_CONNECTIONS_PER_CLIENT, ApprovalRequest, CallbackServer, Verdict
 from forwarder.approval.replay import ReplayCache
 from forwarder.approval.settings import CallbackSettings
 from forwarder.signing import generate_secret, parse_secret, sign_headers
@@ -86,10 +86,11 @@ def rec() -> Recorder:
 def make_server(tmp_path: Path, rec: Recorder) -> Iterator[Callable[..., CallbackServer]]:
     started: list[CallbackServer] = []
 
-    def make(clock: Callable[[], float] = time.time, max_connections: int = 32, **overrides: Any) -> CallbackServer:
+    def make(clock: Callable[[], float] = time.time, max_connections: int = 32,
+             max_per_client: int = MAX_CONNECTIONS_PER_CLIENT, **overrides: Any) -> CallbackServer:
         server = CallbackServer(
             make_settings(**overrides), rec.decide, rec.audit, tmp_path / "state.db",
-            clock=clock, max_connections=max_connections,
+            clock=clock, max_connections=max_connections, max_per_client=max_per_client,
         )
         started.append(server.start())
         return server
@@ -497,27 +498,56 @@ def test_silent_client_is_dropped(server, rec):
     assert [a["Reason"] for a in rec.audits] == ["client_timeout"]
 
 
+def connect_from(server: CallbackServer, source: str) -> socket.socket:
+    """A TCP connection from ``source`` (any 127.x address is loopback on Linux): another client."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port_of(server)))
+    return sock
+
+
+def post_until_answered(server: CallbackServer, payload: bytes, timeout: float = 10.0) -> requests.Response:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return post(server, payload, signed(payload))
+        except requests.ConnectionError:
+            assert time.monotonic() < deadline, "the server never answered"
+
+
 def test_connection_cap(make_server, rec):
     server = make_server(max_connections=2, client_timeout=5.0)
-    idle = [socket.create_connection(("127.0.0.1", port_of(server)), timeout=10) for _ in range(2)]
+    idle = [connect_from(server, f"127.0.0.{n}") for n in (2, 3)]
     try:
         started = time.monotonic()
-        with socket.create_connection(("127.0.0.1", port_of(server)), timeout=10) as extra:
+        with connect_from(server, "127.0.0.4") as extra:
             assert read_all(extra) == b""  # closed at once, without an answer
         assert time.monotonic() - started < 4.0
     finally:
         for sock in idle:
             sock.close()
     # The idle clients left without a word: nothing to audit; their slots come back.
-    payload = body_of()
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            resp = post(server, payload, signed(payload))
-            break
-        except requests.ConnectionError:
-            assert time.monotonic() < deadline
-    assert resp.status_code == 200 and rec.audits == []
+    assert post_until_answered(server, body_of()).status_code == 200 and rec.audits == []
+
+
+def test_one_client_cannot_take_every_slot(make_server, rec):
+    # A slowloris from one address opens many idle connections; it gets only its own share.
+    server = make_server(max_connections=8, max_per_client=3, client_timeout=30.0)
+    # As many connections as the server has slots: without a per-client cap they would fill them all.
+    idle = [connect_from(server, "127.0.0.2") for _ in range(8)]
+    try:
+        with connect_from(server, "127.0.0.2") as extra:
+            assert read_all(extra) == b""  # over the per-client cap: closed at once
+        # Another client's signed request is answered while the idle connections are still held.
+        payload = body_of()
+        started = time.monotonic()
+        resp = post(server, payload, signed(payload))
+        assert resp.status_code == 200 and len(rec.decided) == 1
+        assert time.monotonic() - started < 10.0  # not after the idle clients' 30 s timeout
+    finally:
+        for sock in idle:
+            sock.close()
 
 
 # -- TLS ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from tests.peers.webhook_receiver import Reply, WebhookReceiver
 def cfg(tmp_path, emu, rx, drain):
     path = tmp_path / "c.toml"
     path.write_text(
-        f'[imds]\nendpoint = "{emu.url}"\npoll_interval = "300ms"\n'
+        f'[imds]\nendpoint = "{emu.url}"\npoll_interval = "500ms"\n'
         f'[state]\ndir = "{tmp_path / "state"}"\n'
         f'[agent]\nheartbeat = "0"\ndrain_timeout = "{drain}"\nlog_level = "debug"\n'
         f'[delivery]\nretry_initial = "100ms"\nretry_max = "500ms"\n'

@@ -28,7 +28,7 @@ from tests.peers.webhook_receiver import Reply, WebhookReceiver
 def cfg(tmp_path: Path, emu: Emulator, rx: WebhookReceiver, state: Path, extra: str = "") -> Path:
     path = tmp_path / "c.toml"
     path.write_text(
-        f'[imds]\nendpoint = "{emu.url}"\npoll_interval = "200ms"\nfirst_call_timeout = "10s"\n'
+        f'[imds]\nendpoint = "{emu.url}"\npoll_interval = "500ms"\nfirst_call_timeout = "10s"\n'
         f'[state]\ndir = "{state}"\n'
         f'[agent]\nheartbeat = "0"\ndrain_timeout = "1s"\nlog_level = "debug"\n'
         f'[delivery]\nretry_initial = "100ms"\nretry_max = "500ms"\n{extra}\n'

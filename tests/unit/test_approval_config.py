@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 
 from forwarder.approval.config import parse_approval, parse_listen
 from forwarder.approval.policy import SEED_SAMPLE_RULES
@@ -92,7 +93,7 @@ def test_the_callback_secret_variable_may_carry_the_approval_prefix() -> None:
     ({"hook_timeout": "0s"}, "approval.hook_timeout: must be greater than 0s"),
     ({"hook_timeout": "2d"}, "approval.hook_timeout: must be at most 1d"),
     ({"hook_timeout": True}, "approval.hook_timeout: expected a duration"),
-    ({"hook_output_limit": "2MiB"}, "approval.hook_output_limit: must be between 0 and 1048576 bytes"),
+    ({"hook_output_limit": "2MiB"}, "approval.hook_output_limit: must be between 0B and 1MiB"),
     ({"hook_output_limit": "lots"}, "approval.hook_output_limit: expected a size"),
     ({"rules": {"action": "approve"}}, "approval.rules must be an array of tables"),
     ({"rules": ["approve"]}, "approval.rules[0] must be a table"),
@@ -108,9 +109,9 @@ def test_the_callback_secret_variable_may_carry_the_approval_prefix() -> None:
     ({"rules": [{"action": "hold", "duration_max": True}]}, "approval.rules[0].duration_max: expected an integer, got True"),
     ({"rules": [{"action": "hold", "duration_max": 8.5}]}, "approval.rules[0].duration_max: expected an integer"),
     ({"rules": [{"action": "hold", "duration_min": 9, "duration_max": 8}]}, "approval.rules[0].duration_min: 9 is greater than duration_max 8"),
-    ({"rules": [{"action": "hold", "resources_min": -1}]}, "approval.rules[0].resources_min: must not be negative"),
+    ({"rules": [{"action": "hold", "resources_min": -1}]}, "approval.rules[0].resources_min: must be an integer from 0 to 10000, got -1"),
     ({"rules": [{"action": "hold", "resources_min": 3, "resources_max": 2}]}, "approval.rules[0].resources_min: 3 is greater than resources_max 2"),
-    ({"rules": [{"action": "hold", "affects_this_vm": "yes"}]}, "approval.rules[0].affects_this_vm: expected true or false, got 'yes'"),
+    ({"rules": [{"action": "hold", "affects_this_vm": "maybe"}]}, "approval.rules[0].affects_this_vm: expected true or false, got 'maybe'"),
     ({"rules": [{"action": "hold", "description": "Live (Migration"}]}, "approval.rules[0].description: invalid regular expression 'Live (Migration'"),
     ({"rules": [{"action": "hold", "description": 3}]}, "approval.rules[0].description: expected a regular expression string"),
     ({"rules": [{"action": "hold", "name": ""}]}, "approval.rules[0].name: expected a non-empty string"),
@@ -138,9 +139,9 @@ def test_the_callback_secret_variable_may_carry_the_approval_prefix() -> None:
     (callback(listen="bad host:80"), "approval.callback.listen: 'bad host' is not an IP address or host name"),
     (callback(listen=8787), "approval.callback.listen: expected \"host:port\""),
     (callback(lisen="x"), "unknown key approval.callback.lisen (did you mean 'listen'?)"),
-    (callback(max_body="100B"), "approval.callback.max_body: must be between 256 and 1048576 bytes"),
-    (callback(max_body="2MiB"), "approval.callback.max_body: must be between 256 and 1048576 bytes"),
-    (callback(rate_limit=0), "approval.callback.rate_limit: must be between 1 and 10000, got 0"),
+    (callback(max_body="100B"), "approval.callback.max_body: must be between 256B and 1MiB"),
+    (callback(max_body="2MiB"), "approval.callback.max_body: must be between 256B and 1MiB"),
+    (callback(rate_limit=0), "approval.callback.rate_limit: must be an integer from 1 to 10000, got 0"),
     (callback(rate_limit="30"), "approval.callback.rate_limit: expected an integer"),
     (callback(client_timeout="0s"), "approval.callback.client_timeout: must be greater than 0s"),
     (callback(client_timeout="10m"), "approval.callback.client_timeout: must be at most 5m"),
@@ -233,9 +234,22 @@ def test_callback_with_defaults() -> None:
     assert (config.callback.client_timeout, config.callback.tolerance) == (5.0, 300.0)
 
 
+def test_tls_files_that_do_not_load_are_refused(tmp_path: Path) -> None:
+    ca = trustme.CA()
+    first, second = ca.issue_cert("127.0.0.1"), ca.issue_cert("127.0.0.1")
+    first.cert_chain_pems[0].write_to_path(str(tmp_path / "a.crt"))
+    second.private_key_pem.write_to_path(str(tmp_path / "b.key"))
+    (tmp_path / "junk.crt").write_text("not a certificate")
+    for cert, key in (("a.crt", "b.key"), ("junk.crt", "b.key")):
+        problem = one_problem(callback(tls_cert=cert, tls_key=key), CB_ENV, base_dir=tmp_path)
+        assert problem.startswith("approval.callback.tls_cert: cannot load") and "PEM" in problem
+        assert "PRIVATE KEY" not in problem
+
+
 def test_callback_every_key(tmp_path: Path) -> None:
-    (tmp_path / "tls.crt").write_text("cert")
-    (tmp_path / "tls.key").write_text("key")
+    cert = trustme.CA().issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "tls.crt"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
     config = ok(callback(listen="[::1]:0", tls_cert="tls.crt", tls_key=str(tmp_path / "tls.key"), max_body="1KiB",
                          rate_limit=5, client_timeout="2s", tolerance="1m"), CB_ENV, base_dir=tmp_path)
     cb = config.callback
@@ -308,8 +322,9 @@ def test_the_commented_example_parses_once_uncommented(tmp_path: Path) -> None:
         if re.match(r"^# (\[.*\]|[a-z_]+ = .*)$", line):
             line = line[2:]
         lines.append(line)
-    for name in ("tls.crt", "tls.key"):
-        (tmp_path / name).write_text(name)
+    cert = trustme.CA().issue_cert("127.0.0.1")
+    cert.cert_chain_pems[0].write_to_path(str(tmp_path / "tls.crt"))
+    cert.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
     text = "\n".join(lines).replace("/etc/sefwd/", f"{tmp_path}/")
     raw = tomllib.loads(text)["approval"]
     assert set(raw) == {"scope", "hook_timeout", "hook_output_limit", "hooks", "rules", "callback"}
