@@ -24,7 +24,7 @@ from forwarder.connection_strings import appinsights_problems
 from forwarder.errors import ConfigError
 from forwarder.logutil import redact
 from forwarder.units import (
-    boolean, choice, control_characters, duration, format_duration, format_size, parse_duration, size, suggest,
+    boolean, choice, control_characters, duration, format_duration, parse_duration, size, suggest,
     url_text,
 )
 
@@ -83,10 +83,9 @@ class AgentConfig:
 
 @dataclass(frozen=True)
 class JournalConfig:
-    """The cap and fsync of the store between the poller and the sinks (segment_size: unused)."""
+    """The cap and fsync of the store between the poller and the sinks."""
 
     max_size: int
-    segment_size: int
     fsync: bool
 
 
@@ -139,7 +138,7 @@ class Config:
     agent: AgentConfig
     sinks: tuple[SinkConfig, ...]
     source: str
-    journal: JournalConfig = JournalConfig(max_size=256 * 1024 * 1024, segment_size=8 * 1024 * 1024, fsync=True)
+    journal: JournalConfig = JournalConfig(max_size=256 * 1024 * 1024, fsync=True)
     delivery: DeliveryConfig = DeliveryConfig(retry_initial=1.0, retry_max=60.0, retry_after_cap=300.0)
     approval: ApprovalConfig = ApprovalConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
@@ -272,7 +271,6 @@ SECTIONS: dict[str, dict[str, _Key]] = {
     },
     "journal": {
         "max_size": _Key("256MiB", size(1024 * 1024, 64 * 1024**3)),
-        "segment_size": _Key("8MiB", size(64 * 1024, 1024**3)),
         "fsync": _Key(True, boolean),
     },
     "delivery": {
@@ -293,7 +291,6 @@ SECTIONS: dict[str, dict[str, _Key]] = {
 }
 # Pairs of keys (section, low key, high key) whose values must be ordered: low <= high.
 ORDERED_KEYS: tuple[tuple[str, str, str, Callable[[Any], str]], ...] = (
-    ("journal", "segment_size", "max_size", format_size),
     ("delivery", "retry_initial", "retry_max", format_duration),
 )
 MAX_SINK_AGE = 365 * DAY
@@ -743,8 +740,6 @@ heartbeat_file = ""
 # first, scheduledevent.* records last, and every record a sink thereby loses is counted
 # (sefwd status, "evicted_size_cap").
 max_size = "256MiB"
-# No longer has an effect (the SQLite store has no segments); accepted so old configs still load.
-segment_size = "8MiB"
 # fsync every commit (SQLite synchronous=FULL; false = NORMAL). Turn off only for tests.
 fsync = true
 

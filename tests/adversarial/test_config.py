@@ -59,7 +59,7 @@ HOSTILE_DURATIONS = [
     "1e3", "1.5e3ms", True, False, "", "   ", "1 s s", "99999999999999999999d", "0x10", "1_000s", "\u0661s",
     "5\r\ns", [], {}, "10y",
 ]
-SIZE_KEYS = ["journal.max_size", "journal.segment_size", "approval.hook_output_limit", "approval.callback.max_body"]
+SIZE_KEYS = ["journal.max_size", "approval.hook_output_limit", "approval.callback.max_body"]
 HOSTILE_SIZES = [math.nan, math.inf, -1, "-1MiB", "1e9", 1.5, True, "", "1TiB", "999999999999999GiB", "nan", [], "12 parsecs"]
 INT_KEYS = ["approval.rules.duration_min", "approval.rules.resources_max", "approval.callback.rate_limit", "sinks.batch_size"]
 HOSTILE_INTS = [math.nan, math.inf, 1.5, True, "5", -2, 10**30, None, [], "1e3"]
@@ -93,7 +93,7 @@ def test_hostile_value_is_refused_and_named(key, value):
 @pytest.mark.parametrize("key, value", [
     ("imds.timeout", "61s"), ("imds.first_call_timeout", "11m"), ("imds.poll_interval", "2h"),
     ("imds.poll_interval", "499ms"), ("agent.heartbeat", "2d"), ("delivery.retry_max", "2d"),
-    ("journal.max_size", "65GiB"), ("journal.segment_size", "2GiB"), ("approval.callback.tolerance", "2h"),
+    ("journal.max_size", "65GiB"), ("approval.callback.tolerance", "2h"),
     ("approval.rules.duration_max", 8 * 86400), ("agent.heartbeat", "1ms"), ("delivery.retry_initial", "1ms"),
     ("delivery.retry_max", "10ms"), ("sinks.timeout", "11m"), ("approval.callback.max_body", "2MiB"),
 ])
@@ -109,7 +109,6 @@ def test_poll_interval_floor_says_why():
 
 
 @pytest.mark.parametrize("data, needle", [
-    ({"journal": {"segment_size": "64MiB", "max_size": "32MiB"}}, "journal.segment_size (64MiB) must not exceed journal.max_size (32MiB)"),
     ({"delivery": {"retry_initial": "2m", "retry_max": "1m"}}, "delivery.retry_initial (2m) must not exceed delivery.retry_max (1m)"),
     ({"approval": {"rules": [{"action": "hold", "duration_min": 10, "duration_max": 5}]}}, "never matches"),
 ])
@@ -211,8 +210,7 @@ endpoint = "http://169.254.169.254/\\r\\nX-Injected: 1"
 [agent]
 log_level = "verbose"
 [journal]
-max_size = "8MiB"
-segment_size = "16MiB"
+max_size = "1KiB"
 [delivery]
 retry_max = 1e12
 [telemetry]
@@ -222,7 +220,7 @@ type = "webhook"
 url = "http://127.0.0.1:1/hook?code=SECRETCODE\\r\\nX-Injected: 1"
 timeout = nan
 """
-EXPECTED = ["imds.poll_interval", "imds.timeout", "imds.endpoint", "agent.log_level", "journal.segment_size",
+EXPECTED = ["imds.poll_interval", "imds.timeout", "imds.endpoint", "agent.log_level", "journal.max_size",
             "delivery.retry_max", "InstrumentationKey", "sinks[0] (webhook): option 'url'", "option 'timeout'"]
 
 
