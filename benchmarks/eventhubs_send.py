@@ -1,6 +1,6 @@
 """CPU per record of the eventhubs sink, today's beside the thread-per-send one it replaced, in one run.
 
-Both sinks send through the agent's delivery path (journal + dispatcher, in this process) to the
+Both sinks send through the agent's delivery path (store + dispatcher, in this process) to the
 Node.js Event Hubs peer (tests/peers/eventhubs) over TLS as the service speaks it: AMQPS and AMQP
 over secure WebSocket, verified against the peer's test CA. Two shapes per transport:
 
@@ -8,7 +8,7 @@ over secure WebSocket, verified against the peer's test CA. Two shapes per trans
   many events at once); the dispatcher hands the sink up to ``max_batch`` records per send.
 - ``single``: one record every 20 ms, so every record is a send of its own (changes arriving one
   at a time); this is where a per-send cost (a thread, a handshake) shows.
-- ``single_sink``: the same records handed straight to ``sink.send`` (no journal, no dispatcher):
+- ``single_sink``: the same records handed straight to ``sink.send`` (no store, no dispatcher):
   the sink's and the SDK's own share of ``single``.
 
 CPU is the benchmark process's (all threads, also those that ended: ``time.process_time``) from
@@ -32,7 +32,7 @@ import orjson
 
 from benchmarks.common import MODES, RESULTS, ROOT, Sizes, goal, machine_info, result, sample_event, scratch_dir
 from forwarder.dispatcher import Dispatcher
-from forwarder.journal import Journal
+from forwarder.store import Store
 from forwarder.retry import Backoff
 from forwarder.sinkapi import Ok, Record, SinkContext
 
@@ -77,21 +77,21 @@ def _sink(impl: str, transport: str, peer: EventHubsPeer, work: Path) -> Any:
 
 def _deliver(impl: str, transport: str, shape: str, count: int, peer: EventHubsPeer, work: Path) -> dict[str, Any]:
     tag = f"{impl}-{transport}-{shape}-{uuid.uuid4().hex[:6]}"
-    journal = Journal(work / f"journal-{tag}", fsync=False)  # the sink's cost, not the disk's
+    store = Store.open(work / f"state-{tag}", fsync=False)  # the sink's cost, not the disk's
     sink = _sink(impl, transport, peer, work)
-    dispatcher = Dispatcher(journal, {"eh": sink}, work / f"dead-{tag}", backoff=Backoff(initial=0.05, maximum=1.0))
+    dispatcher = Dispatcher(store, {"eh": sink}, backoff=Backoff(initial=0.05, maximum=1.0))
     worker = dispatcher.workers["eh"]
     dispatcher.start()
     try:
         warm = _records(1, tag + "-warm")  # connect, TLS, CBS: not part of the burst
-        dispatcher.append(warm)
+        dispatcher.commit(warm)
         _wait(worker, 1)
         records = _records(count, tag)
         before_events = peer.stats()["events"]
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if shape == "burst":
             for i in range(0, count, 10):
-                dispatcher.append(records[i : i + 10])
+                dispatcher.commit(records[i : i + 10])
         elif shape == "single_sink":
             for record in records:
                 if sink.send([record]) == Ok():
@@ -99,7 +99,7 @@ def _deliver(impl: str, transport: str, shape: str, count: int, peer: EventHubsP
                 time.sleep(SINGLE_GAP_S)
         else:
             for record in records:
-                dispatcher.append([record])
+                dispatcher.commit([record])
                 time.sleep(SINGLE_GAP_S)  # pacing the load generator, not synchronizing
         _wait(worker, 1 + count)
         cpu = time.process_time() - cpu0

@@ -17,7 +17,7 @@ import pytest
 
 from forwarder.dispatcher import Dispatcher
 from forwarder.emulator import Emulator
-from forwarder.journal import Journal
+from forwarder.store import Store
 from forwarder.retry import Backoff
 from forwarder.sinkapi import Ok, Record, Reject, Retry, SinkContext
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
@@ -406,11 +406,11 @@ def test_the_service_closing_an_idle_connection_or_link_costs_nothing(tmp_path, 
 
 
 def _deliver_with_dispatcher(tmp_path: Path, sink: Any, records: list[Record]) -> Dispatcher:
-    journal = Journal(tmp_path / "journal", fsync=False)
-    dispatcher = Dispatcher(journal, {"eh": sink}, tmp_path / "dead", backoff=Backoff(initial=0.05, maximum=0.5))
+    dispatcher = Dispatcher(Store.open(tmp_path / "state", fsync=False), {"eh": sink},
+                            backoff=Backoff(initial=0.05, maximum=0.5))
     dispatcher.start()
-    for i in range(0, len(records), 5):  # the agent appends a change's records together
-        dispatcher.append(records[i : i + 5])
+    for i in range(0, len(records), 5):  # the agent commits a change's records together
+        dispatcher.commit(records[i : i + 5])
     return dispatcher
 
 
