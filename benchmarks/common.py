@@ -24,7 +24,7 @@ class Sizes:
     """How much work each benchmark does; one instance per mode."""
 
     name: str
-    poll_interval: float  # seconds; the agent's configured minimum is 200 ms
+    poll_interval: float  # seconds; the agent accepts 286 ms at least (IMDS request budget)
     poll_warmup: float
     poll_window: float
     journal_records: int  # batched appends and drains
@@ -35,9 +35,9 @@ class Sizes:
 
 
 MODES = {
-    "full": Sizes("full", 0.2, 10.0, 90.0, 100_000, 2_000, 5_000, 100_000, 100_000),
-    "quick": Sizes("quick", 0.2, 5.0, 20.0, 20_000, 500, 1_000, 100_000, 5_000),
-    "smoke": Sizes("smoke", 0.2, 1.0, 2.0, 500, 20, 50, 500, 50),
+    "full": Sizes("full", 0.3, 10.0, 90.0, 100_000, 2_000, 5_000, 100_000, 100_000),
+    "quick": Sizes("quick", 0.3, 5.0, 20.0, 20_000, 500, 1_000, 100_000, 5_000),
+    "smoke": Sizes("smoke", 0.3, 1.0, 2.0, 500, 20, 50, 500, 50),
 }
 
 

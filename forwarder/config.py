@@ -22,6 +22,7 @@ from urllib.parse import urlsplit, urlunsplit
 from forwarder.approval.config import parse_approval, parse_listen
 from forwarder.approval.settings import ApprovalConfig
 from forwarder.errors import ConfigError
+from forwarder.imds import MAX_BODY, check_max_body, check_poll_interval, validate_endpoint
 from forwarder.units import format_duration, parse_duration, parse_size
 
 SYSTEM_CONFIG_PATH = Path("/etc/sefwd/config.toml")
@@ -56,6 +57,7 @@ class ImdsConfig:
     first_call_timeout: float
     compute_api_version: str
     compute_refresh: float
+    max_body: int = MAX_BODY  # answers above this are refused unread (forwarder.imds)
 
 
 @dataclass(frozen=True)
@@ -146,15 +148,8 @@ def _string(value: Any) -> str:
 
 def _endpoint(value: Any) -> str:
     text = _string(value).strip()
+    validate_endpoint(text)  # the IMDS client's own rules: no userinfo, query, fragment, control characters
     parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http:// or https:// URL with a host, got {value!r}")
-    if parts.query or parts.fragment:
-        raise ValueError(f"must be a base URL without query or fragment, got {value!r}")
-    try:
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        raise ValueError(f"has an invalid port: {value!r}") from None
     # The client appends /metadata/...; a trailing slash would double it.
     return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
 
@@ -246,11 +241,12 @@ SECTIONS: dict[str, dict[str, _Key]] = {
     "imds": {
         "endpoint": _Key("http://169.254.169.254", _endpoint),
         "api_version": _Key("2020-07-01", _api_version),
-        "poll_interval": _Key("1s", _duration(MIN_POLL_INTERVAL, MAX_POLL_INTERVAL)),
+        "poll_interval": _Key("1s", lambda v: check_poll_interval(_duration(MIN_POLL_INTERVAL, MAX_POLL_INTERVAL)(v))),
         "timeout": _Key("5s", _duration(0.0, low_inclusive=False)),
         "first_call_timeout": _Key("150s", _duration(0.0, low_inclusive=False)),
         "compute_api_version": _Key("2021-02-01", _compute_api_version),
         "compute_refresh": _Key("1h", _duration(0.0, low_inclusive=False)),
+        "max_body": _Key("1MiB", lambda v: check_max_body(_size(1)(v))),
     },
     "state": {
         "dir": _Key(None, _directory),
@@ -670,9 +666,11 @@ endpoint = "http://169.254.169.254"
 # 2019-08-01 2020-07-01. Newer versions add fields (Description, EventSource, DurationInSeconds).
 api_version = "2020-07-01"
 # How often to poll. Events give as little as 30 s notice (Preempt), so keep it short;
-# IMDS allows 5 requests per second, hence the 200ms floor (at most 1h).
+# IMDS allows 5 requests per second; the agent keeps itself to 4, so polls may not be more often
+# than every 286ms (at most 1h). See docs/imds-transport.md.
 poll_interval = "1s"
-# Read timeout of a normal poll.
+# Deadline of one request: connect, send and the whole answer (a server that drips its answer
+# byte by byte is cut off here).
 timeout = "5s"
 # The very first call enables Scheduled Events for the VM and can take up to 2 minutes.
 first_call_timeout = "150s"
@@ -680,6 +678,8 @@ first_call_timeout = "150s"
 compute_api_version = "2021-02-01"
 # Instance metadata rarely changes: re-read it this rarely.
 compute_refresh = "1h"
+# Larger answers are refused without being read (IMDS answers are a few KiB); 64KiB to 16MiB.
+max_body = "1MiB"
 
 [state]
 # Journal, cursor, status and dead letters. Default: /var/lib/sefwd as root, else

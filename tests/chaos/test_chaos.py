@@ -77,7 +77,7 @@ def test_chaos_sigkill_and_flapping_webhook(tmp_path):
     with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(policy) as rx:
         config = tmp_path / "c.toml"
         config.write_text(
-            f'[imds]\nendpoint = "{emu.url}"\npoll_interval = "200ms"\n'
+            f'[imds]\nendpoint = "{emu.url}"\npoll_interval = "300ms"\n'
             f'[state]\ndir = "{tmp_path / "state"}"\n'
             f'[agent]\nheartbeat = "0"\ndrain_timeout = "1s"\n'
             f'[delivery]\nretry_initial = "50ms"\nretry_max = "400ms"\n'

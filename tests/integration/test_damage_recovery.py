@@ -15,7 +15,7 @@ def test_flipped_bytes_torn_tail_zero_segment_and_lost_cursor(tmp_path):
     with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=503) as rx:
         config = tmp_path / "c.toml"
         config.write_text(
-            f'[imds]\nendpoint = "{emu.url}"\npoll_interval = "200ms"\n[state]\ndir = "{state}"\n'
+            f'[imds]\nendpoint = "{emu.url}"\npoll_interval = "300ms"\n[state]\ndir = "{state}"\n'
             f'[agent]\nheartbeat = "0"\ndrain_timeout = "0s"\n[delivery]\nretry_initial = "50ms"\nretry_max = "200ms"\n'
             f'[journal]\nsegment_size = "64KiB"\n'
             f'[[sinks]]\ntype = "webhook"\nname = "hook"\nurl = "{rx.url}"\ntimeout = "1s"\n'

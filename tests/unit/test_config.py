@@ -187,7 +187,7 @@ def test_env_overrides_win_over_the_file(tmp_path: Path) -> None:
     env = {
         "SEFWD_IMDS_ENDPOINT": "http://127.0.0.1:9999/vm/a",
         "SEFWD_IMDS_API_VERSION": "2017-11-01",
-        "SEFWD_IMDS_POLL_INTERVAL": "250ms",
+        "SEFWD_IMDS_POLL_INTERVAL": "300ms",
         "SEFWD_STATE_DIR": str(tmp_path / "st"),
         "SEFWD_AGENT_HEARTBEAT": "0",
         "SEFWD_AGENT_LOG_LEVEL": "debug",
@@ -195,7 +195,7 @@ def test_env_overrides_win_over_the_file(tmp_path: Path) -> None:
     config = load_config(path, env=env, system_path=None)
     assert config.imds.endpoint == "http://127.0.0.1:9999/vm/a"
     assert config.imds.api_version == "2017-11-01"
-    assert config.imds.poll_interval == 0.25
+    assert config.imds.poll_interval == 0.3
     assert config.state.dir == tmp_path / "st"
     assert config.agent.heartbeat == 0.0
     assert config.agent.log_level == "debug"
@@ -290,12 +290,12 @@ def test_bad_durations(value: str) -> None:
     assert problem.startswith("agent.drain_timeout: ")
 
 
-@pytest.mark.parametrize("value, seconds", [("200ms", 0.2), ("0.2", 0.2), (1, 1.0), ("1h", 3600.0), ("30m", 1800.0)])
+@pytest.mark.parametrize("value, seconds", [("300ms", 0.3), ("0.3", 0.3), (1, 1.0), ("1h", 3600.0), ("30m", 1800.0)])
 def test_poll_interval_accepted(value: Any, seconds: float) -> None:
     assert parse({"imds": {"poll_interval": value}}).imds.poll_interval == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("value, words", [("199ms", "at least 200ms"), (0, "at least 200ms"), ("61m", "at most 1h"), ("2h", "at most 1h")])
+@pytest.mark.parametrize("value, words", [("199ms", "at least 200ms"), (0, "at least 200ms"), ("200ms", "use at least 286ms"), ("250ms", "4 polls/s"), ("61m", "at most 1h"), ("2h", "at most 1h")])
 def test_poll_interval_bounds(value: Any, words: str) -> None:
     (problem,) = problems_of({"imds": {"poll_interval": value}})
     assert words in problem
