@@ -355,7 +355,7 @@ class ImdsClient:
         if not self.budget.acquire(self._stop):
             raise ImdsError(f"stopped before IMDS {method} {url}", status=None, retryable=True)
         try:
-            return self._pool.request(raw, deadline)
+            response = self._pool.request(raw, deadline)
         except TimeoutError as exc:
             if getattr(exc, "connecting", False):
                 raise ImdsError(f"IMDS {method} {url}: connect timed out after {self.connect_timeout:g}s",
@@ -367,6 +367,12 @@ class ImdsClient:
         except OSError as exc:
             raise ImdsError(f"IMDS {method} {url}: connection failed: {_reason(exc)}",
                             status=None, retryable=True) from None
+        if response.interim:
+            log.debug("IMDS %s %s: skipped %d interim (1xx) answer(s) before the %d", method, url,
+                      response.interim, response.status)
+        if response.doubt:
+            log.warning("IMDS %s %s: %s; the connection was closed, not reused", method, url, response.doubt)
+        return response
 
     @staticmethod
     def _status_error(method: str, url: str, response: _Response) -> ImdsError:
@@ -392,6 +398,8 @@ class _Response:
     status: int
     headers: dict[str, str]  # lower-case names
     body: bytes
+    interim: int = 0  # 1xx answers skipped before this one
+    doubt: str | None = None  # why the connection was dropped after this answer, if it was for a reason
 
 
 class _TooLarge(Exception):
@@ -406,7 +414,7 @@ class _Conn:
     """One kept-alive connection and its response parser (llhttp parses message after message)."""
 
     __slots__ = ("sock", "parser", "headers", "chunks", "complete", "headers_done", "keep_alive", "interim",
-                 "size", "max_body", "limit", "_readable")
+                 "size", "max_body", "limit", "doubt", "_readable")
 
     def __init__(self, sock: socket.socket, max_body: int) -> None:
         self.sock = sock
@@ -424,6 +432,7 @@ class _Conn:
         self.keep_alive = False
         self.interim = 0
         self.size = 0
+        self.doubt: str | None = None
 
     # httptools callbacks (an exception raised here stops the parser at once)
     def on_message_begin(self) -> None:
@@ -492,7 +501,8 @@ class _Conn:
                 raise ConnectionResetError("the server closed the connection in the middle of its answer")
             received += len(data)
             if received > self.limit:
-                raise _TooLarge(f"more than {self.limit} bytes without the end of the answer")
+                raise _TooLarge(f"the answer passed the {self.max_body}-byte cap ([imds] max_body; "
+                                f"{received} bytes read, heads and chunk framing included)")
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserCallbackError as exc:
@@ -501,14 +511,15 @@ class _Conn:
                     raise cause from None
                 if not self.complete:
                     raise ConnectionResetError(f"malformed HTTP answer: {cause}") from None
-                self.keep_alive = False  # a complete answer followed by more: keep the answer, drop the connection
+                # A complete answer followed by more: keep the answer, drop the connection.
+                self.keep_alive, self.doubt = False, str(cause)
             except httptools.HttpParserUpgrade:
                 raise ConnectionResetError("malformed HTTP answer: an unrequested protocol switch (101)") from None
             except httptools.HttpParserError as exc:
                 if not self.complete:
                     raise ConnectionResetError(f"malformed HTTP answer: {exc}") from None
-                self.keep_alive = False
-        return _Response(self.parser.get_status_code(), self.headers, b"".join(self.chunks))
+                self.keep_alive, self.doubt = False, f"data after the end of the answer ({exc})"
+        return _Response(self.parser.get_status_code(), self.headers, b"".join(self.chunks), self.interim, self.doubt)
 
 
 def _arm(sock: socket.socket, end: float) -> None:

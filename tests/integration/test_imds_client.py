@@ -606,7 +606,7 @@ def test_a_chunked_body_over_the_cap_is_refused_as_it_streams() -> None:
     peer = RawPeer([(stream, True)])
     try:
         with ImdsClient(peer.url, VERSION, max_body=256 * 1024) as c, \
-                pytest.raises(ImdsError, match="passed the 262144-byte cap|without the end of the answer"):
+                pytest.raises(ImdsError, match="passed the 262144-byte cap"):
             c.scheduled_events()
         wait_for_list(sent)
         assert sent[0] < 50_000_000
