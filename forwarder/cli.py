@@ -137,22 +137,45 @@ def cmd_once(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
-    imds = ImdsClient(config.imds.endpoint, config.imds.api_version, timeout=config.imds.timeout,
-                      first_call_timeout=config.imds.first_call_timeout,
-                      compute_api_version=config.imds.compute_api_version)
+    imds = ImdsClient.from_config(config.imds)
     try:
         fetch = imds.scheduled_events()
     except ImdsError as exc:
         print(f"sefwd: IMDS not reachable: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    except Exception as exc:  # noqa: BLE001 - `once` answers with its exit code, never a traceback
+        print(f"sefwd: IMDS not reachable: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    try:
+        saved = _saved_state(config.state.dir)
+    except (ForwarderError, OSError):
+        saved = SavedState()
+    try:
+        vm = resolve_identity(imds, saved)
+    except Exception as exc:  # noqa: BLE001 - a broken compute answer must not hide the events
+        print(f"sefwd: instance metadata unusable ({type(exc).__name__}: {exc}); using a fallback identity",
+              file=sys.stderr)
+        from forwarder.identity import VmIdentity
+
+        vm = VmIdentity.fallback()
     try:
         document = parse_document(fetch.body or b"")
+        factory = RecordFactory(vm, config.imds.api_version)
+        records = factory.for_changes(diff(None, document, utcnow()), document)  # (serialized here too)
     except DocumentError as exc:
         print(f"sefwd: IMDS answered with a bad document: {exc}", file=sys.stderr)
         return EXIT_BAD_DOCUMENT
-    factory = RecordFactory(resolve_identity(imds, _saved_state(config.state.dir)), config.imds.api_version)
-    records = factory.for_changes(diff(None, document, utcnow()), document)
-    _print_records(records, args.pretty)
+    except Exception as exc:  # noqa: BLE001 - whatever the document does, the answer is exit code 3
+        print(f"sefwd: IMDS answered with a document sefwd cannot handle: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return EXIT_BAD_DOCUMENT
+    try:
+        _print_records(records, args.pretty)
+    except BrokenPipeError:
+        return EXIT_OK
+    except Exception as exc:  # noqa: BLE001 - e.g. stdout on a full disk
+        print(f"sefwd: could not print the records: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     print(f"sefwd: {len(document.events)} event(s), DocumentIncarnation {document.incarnation}", file=sys.stderr)
     return EXIT_OK
 
@@ -235,8 +258,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
         finally:
             store.close()
 
-    imds = ImdsClient(config.imds.endpoint, config.imds.api_version, timeout=config.imds.timeout,
-                      compute_api_version=config.imds.compute_api_version)
+    imds = ImdsClient.from_config(config.imds)
     vm = resolve_identity(imds, _saved_state(config.state.dir))
     try:
         user = getpass.getuser()

@@ -27,6 +27,7 @@ from forwarder.units import (
     boolean, choice, control_characters, duration, format_duration, parse_duration, size, suggest,
     url_text,
 )
+from forwarder.imds import MAX_BODY, MAX_BODY_LIMIT, MIN_BODY_LIMIT, check_max_body, validate_endpoint
 
 SYSTEM_CONFIG_PATH = Path("/etc/sefwd/config.toml")
 DEFAULTS_SOURCE = "built-in defaults"
@@ -62,6 +63,7 @@ class ImdsConfig:
     first_call_timeout: float
     compute_api_version: str
     compute_refresh: float
+    max_body: int = MAX_BODY  # answers above this are refused unread (forwarder.imds)
 
 
 @dataclass(frozen=True)
@@ -155,17 +157,8 @@ def _string(value: Any) -> str:
 
 def _endpoint(value: Any) -> str:
     text = url_text(value)
+    validate_endpoint(text)  # the IMDS client's own rules: no userinfo, query, fragment, control characters
     parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"must be an http:// or https:// URL with a host, got {redact(text)!r}")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError("must not carry user:password@ (IMDS needs none, and it would be sent as the Host)")
-    if parts.query or parts.fragment:
-        raise ValueError(f"must be a base URL without query or fragment, got {redact(text)!r}")
-    try:
-        parts.port  # noqa: B018 - raises ValueError on a bad port
-    except ValueError:
-        raise ValueError(f"has an invalid port: {text!r}") from None
     # The client appends /metadata/...; a trailing slash would double it.
     return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
 
@@ -259,6 +252,7 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "first_call_timeout": _Key("150s", duration(0.0, 600.0, low_inclusive=False)),
         "compute_api_version": _Key("2021-02-01", _compute_api_version),
         "compute_refresh": _Key("1h", duration(0.0, 7 * DAY, low_inclusive=False)),
+        "max_body": _Key("1MiB", lambda v: check_max_body(size(MIN_BODY_LIMIT, MAX_BODY_LIMIT)(v))),
     },
     "state": {
         "dir": _Key(None, _directory),
@@ -704,10 +698,12 @@ endpoint = "http://169.254.169.254"
 # 2019-08-01 2020-07-01. Newer versions add fields (Description, EventSource, DurationInSeconds).
 api_version = "2020-07-01"
 # How often to poll. Events give as little as 30 s notice (Preempt), so keep it short;
-# IMDS allows 5 requests per second and approvals, instance metadata and tokens need room
-# beside the polls, hence the 500ms floor (at most 1h).
+# IMDS allows 5 requests per second; the agent keeps all its requests to 4 per second, and
+# approvals, instance metadata and tokens need room beside the polls, hence the 500ms floor (at
+# most 1h). See docs/imds-transport.md.
 poll_interval = "1s"
-# Read timeout of a normal poll.
+# Deadline of one request: connect, send and the whole answer (a server that drips its answer
+# byte by byte is cut off here).
 timeout = "5s"
 # The very first call enables Scheduled Events for the VM and can take up to 2 minutes.
 first_call_timeout = "150s"
@@ -715,6 +711,8 @@ first_call_timeout = "150s"
 compute_api_version = "2021-02-01"
 # Instance metadata rarely changes: re-read it this rarely.
 compute_refresh = "1h"
+# Larger answers are refused without being read (IMDS answers are a few KiB); 64KiB to 16MiB.
+max_body = "1MiB"
 
 [state]
 # state.db (records, cursors, dead letters, state; see docs/storage.md). Default: /var/lib/sefwd as root, else

@@ -5,6 +5,14 @@ not ``requests``: an unchanged poll is the agent's whole steady-state cost, and 
 about 1.4 ms of CPU per GET (``http.client``'s email-based header parsing alone 0.15 ms; httptools
 0.06 ms in all), plus 18 MiB and 140 ms of start-up on import, on machinery IMDS never needs:
 proxies, cookies, redirects, auth, content decoding (see the README's performance section).
+``http.client`` would not be safer either: it has no deadline per request (its timeout is per
+``recv``), returns a ``103`` as the answer and reads bodies of any size.
+
+Every request has hard bounds (docs/imds-transport.md): one total deadline for connect, send and
+the whole answer; a body cap checked before a byte of an oversized body is buffered; interim
+``1xx`` answers skipped; a connection with the least doubt about its framing is closed, never
+reused; and every request of the process to one IMDS passes one shared :class:`RequestBudget`,
+so the agent stays under IMDS's 5 requests/s with headroom.
 """
 from __future__ import annotations
 
@@ -12,13 +20,13 @@ import json
 import logging
 import random
 import socket
-import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, urlsplit
 
 import httptools
@@ -27,13 +35,40 @@ from forwarder import __version__
 from forwarder.errors import ConfigError, ImdsError
 from forwarder.retry import Backoff, is_retryable_status, parse_retry_after
 
-__all__ = ["Fetch", "ImdsClient"]
+if TYPE_CHECKING:
+    import ssl
+
+    from forwarder.config import ImdsConfig
+
+__all__ = [
+    "Fetch", "ImdsClient", "RequestBudget", "MAX_BODY", "RETRY_AFTER_CAP", "REQUEST_BUDGET",
+    "check_max_body", "validate_endpoint",
+]
 
 log = logging.getLogger(__name__)
 
 GONE_WINDOW = 70.0  # IMDS: "410 — retry for up to 70 s in total"
 RETRY_DEADLINE = 90.0  # whole budget of one start_requests()/compute() call
 BODY_SNIPPET = 200
+# IMDS answers are a few KiB (a scale-set event naming 1,000 instances is ~20 KiB; compute with 50
+# tags ~40 KiB): 1 MiB is a 25x margin, and small enough that a hostile answer cannot hurt memory.
+MAX_BODY = 1024 * 1024
+MAX_BODY_LIMIT = 16 * 1024 * 1024  # the most [imds] max_body may say (RSS stays bounded)
+MIN_BODY_LIMIT = 64 * 1024
+HEAD_LIMIT = 64 * 1024  # status lines and headers of one exchange, interim answers included
+MAX_INTERIM = 8  # 1xx answers before the real one; more is a broken or hostile server
+# A Retry-After is honoured up to this long on every IMDS request: IMDS throttles per second, so a
+# longer one is bogus, and obeying it would blind the agent (Spot eviction gives 30 s of notice).
+# Worst case a throttled poll waits 5 s, then may take its 5 s deadline: 20 of the 30 s remain.
+RETRY_AFTER_CAP = 5.0
+# IMDS allows 5 requests/s per VM. The agent allows itself 4 in any 1 s window, all requests
+# together (polls, StartRequests, compute), leaving 1/s for `sefwd approve` and other IMDS users
+# on the VM; the config floor of 500 ms between polls keeps polls to 2 of those 4, so approvals
+# and metadata always find room.
+IMDS_RATE_LIMIT = 5
+REQUEST_BUDGET = 4
+BUDGET_WINDOW = 1.0
+_CONTROL = frozenset(chr(c) for c in (*range(0x21), 0x7F))  # control characters and spaces
 
 
 @dataclass(frozen=True)
@@ -51,20 +86,95 @@ def _snippet(body: bytes) -> str:
     return text if len(text) <= BODY_SNIPPET else text[:BODY_SNIPPET] + "…"
 
 
-def _base_url(endpoint: str) -> str:
-    parts = urlsplit(endpoint.strip())
+def validate_endpoint(endpoint: str) -> str:
+    """The IMDS base URL ``scheme://host[:port][/prefix]``, or ValueError saying what is wrong with it.
+
+    Refused: a scheme other than http/https, no host, a bad port, userinfo (it would land in the
+    ``Host`` header), a query or fragment (IMDS rejects duplicate query parameters, and the client
+    adds ``api-version`` itself) and control characters or spaces (request splitting).
+    """
+    text = endpoint.strip()
+    if any(ch in _CONTROL for ch in text):
+        raise ValueError(f"must not contain spaces or control characters, got {endpoint!r}")
+    parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError([f"imds endpoint {endpoint!r}: expected http://host[:port][/prefix]"])
-    if parts.query or parts.fragment:
-        raise ConfigError([f"imds endpoint {endpoint!r}: must not carry a query string or fragment"])
+        raise ValueError(f"must be an http:// or https:// URL with a host, got {endpoint!r}")
+    if "@" in parts.netloc:
+        raise ValueError("must not carry user:password@ (IMDS takes no credentials)")
+    if parts.query or parts.fragment or "?" in text or "#" in text:
+        raise ValueError(f"must be a base URL without query or fragment, got {endpoint!r}")
+    try:
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        raise ValueError(f"has an invalid port: {endpoint!r}") from None
     path = parts.path.rstrip("/")
     if path.endswith("/metadata"):  # accept the documented base URL as well as the bare host
         path = path[: -len("/metadata")]
     return f"{parts.scheme}://{parts.netloc}{path}"
 
 
+def _base_url(endpoint: str) -> str:
+    try:
+        return validate_endpoint(endpoint)
+    except ValueError as exc:
+        raise ConfigError([f"imds endpoint {endpoint!r}: {exc}"]) from None
+
+
+def check_max_body(size: int) -> int:
+    """``[imds] max_body`` if it is within bounds, else ValueError."""
+    if not MIN_BODY_LIMIT <= size <= MAX_BODY_LIMIT:
+        raise ValueError(f"must be between {MIN_BODY_LIMIT // 1024}KiB and {MAX_BODY_LIMIT // 2**20}MiB "
+                         f"(IMDS answers are a few KiB), got {size}")
+    return size
+
+
+class RequestBudget:
+    """At most ``limit`` requests in any ``window`` seconds: every IMDS request of the process waits its turn."""
+
+    _shared: dict[str, RequestBudget] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, limit: int = REQUEST_BUDGET, window: float = BUDGET_WINDOW,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit = limit
+        self.window = window
+        self._clock = clock
+        self._sent: deque[float] = deque()
+        self._lock = threading.Lock()
+        self.waited = 0  # requests that had to wait for the budget (a sign of too many requests)
+
+    @classmethod
+    def for_endpoint(cls, base_url: str) -> RequestBudget:
+        """The process-wide budget of one IMDS (every client of the same base URL shares it)."""
+        with cls._shared_lock:
+            budget = cls._shared.get(base_url)
+            if budget is None:
+                budget = cls._shared[base_url] = cls()
+            return budget
+
+    def acquire(self, stop: threading.Event) -> bool:
+        """Take one request's slot, waiting (at most one window) until there is one; False if stopped."""
+        while True:
+            with self._lock:
+                now = self._clock()
+                sent = self._sent
+                while sent and now - sent[0] >= self.window:
+                    sent.popleft()
+                if len(sent) < self.limit:
+                    sent.append(now)
+                    return True
+                wait = self.window - (now - sent[0])
+                self.waited += 1
+            if stop.wait(wait):
+                return False
+
+
 class ImdsClient:
-    """Talks to IMDS (or an emulator) over one keep-alive session that never uses a proxy."""
+    """Talks to IMDS (or an emulator) over kept-alive connections that never use a proxy.
+
+    ``timeout`` (and ``first_call_timeout`` until IMDS first answered) is the total deadline of one
+    request: connect, send and the whole answer.
+    """
 
     def __init__(
         self,
@@ -81,6 +191,8 @@ class ImdsClient:
         clock: Callable[[], float] = time.monotonic,
         retry_deadline: float = RETRY_DEADLINE,
         gone_window: float = GONE_WINDOW,
+        max_body: int = MAX_BODY,
+        budget: RequestBudget | None = None,
     ) -> None:
         base = _base_url(endpoint)
         self.endpoint = base
@@ -98,18 +210,27 @@ class ImdsClient:
         # nothing else ever adds a query, so it cannot be duplicated (IMDS rejects duplicates).
         self.events_url = f"{base}/metadata/scheduledevents?api-version={quote(api_version, safe='')}"
         self.compute_url = f"{base}/metadata/instance/compute?api-version={quote(compute_api_version, safe='')}"
-        self._pool = _Pool(base, connect_timeout)
+        self.budget = budget if budget is not None else RequestBudget.for_endpoint(base)
+        self._pool = _Pool(base, connect_timeout, max_body)
         self._headers = {"Metadata": "true", "User-Agent": f"sefwd/{__version__}", "Accept": "application/json"}
         self._events_raw = self._pool.encode("GET", self.events_url, self._headers)
         self._etag: str | None = None
         self._answered = False  # until IMDS first answers, allow the long first-call timeout
 
+    @classmethod
+    def from_config(cls, cfg: ImdsConfig, *, stop: threading.Event | None = None,
+                    backoff: Backoff = Backoff(initial=0.5, maximum=5.0)) -> ImdsClient:
+        """The one way the agent and its commands build a client from ``[imds]``."""
+        return cls(cfg.endpoint, cfg.api_version, timeout=cfg.timeout, first_call_timeout=cfg.first_call_timeout,
+                   compute_api_version=cfg.compute_api_version, max_body=getattr(cfg, "max_body", MAX_BODY),
+                   backoff=backoff, stop=stop)
+
     # -- Scheduled Events poll -----------------------------------------------------------------
     def scheduled_events(self) -> Fetch:
         """One GET of the Scheduled Events document; raises ImdsError, never retries."""
-        read_timeout = self.timeout if self._answered else self.first_call_timeout
+        deadline = self.timeout if self._answered else self.first_call_timeout
         started = self._clock()
-        response = self._send("GET", self.events_url, read_timeout, self._events_raw)
+        response = self._send("GET", self.events_url, deadline, self._events_raw)
         elapsed = self._clock() - started
         status = response.status
         if status == 200:
@@ -204,7 +325,8 @@ class ImdsClient:
             if not error.retryable:
                 raise error
             now = self._clock()
-            delay = self.backoff.delay(attempt, self._rng, error.retry_after)
+            retry_after = min(error.retry_after, RETRY_AFTER_CAP) if error.retry_after is not None else None
+            delay = self.backoff.delay(attempt, self._rng, retry_after)
             spent = now - started
             if spent + delay > budget or (gone_since is not None and now - gone_since + delay > self.gone_window):
                 raise ImdsError(f"{error} (giving up after {attempt + 1} attempt(s) in {spent:.1f}s)",
@@ -215,18 +337,28 @@ class ImdsClient:
                                 status=error.status, retryable=True)
             attempt += 1
 
-    def _send(self, method: str, url: str, read_timeout: float, raw: bytes) -> _Response:
+    def _send(self, method: str, url: str, deadline: float, raw: bytes) -> _Response:
+        if not self.budget.acquire(self._stop):
+            raise ImdsError(f"stopped before IMDS {method} {url}", status=None, retryable=True)
         try:
-            return self._pool.request(raw, read_timeout)
+            response = self._pool.request(raw, deadline)
         except TimeoutError as exc:
             if getattr(exc, "connecting", False):
                 raise ImdsError(f"IMDS {method} {url}: connect timed out after {self.connect_timeout:g}s",
                                 status=None, retryable=True) from None
-            raise ImdsError(f"IMDS {method} {url}: timed out after {read_timeout:g}s",
+            raise ImdsError(f"IMDS {method} {url}: timed out after {deadline:g}s (deadline for the whole answer)",
                             status=None, retryable=True) from None
+        except _TooLarge as exc:
+            raise ImdsError(f"IMDS {method} {url}: answer refused: {exc}", status=None, retryable=True) from None
         except OSError as exc:
             raise ImdsError(f"IMDS {method} {url}: connection failed: {_reason(exc)}",
                             status=None, retryable=True) from None
+        if response.interim:
+            log.debug("IMDS %s %s: skipped %d interim (1xx) answer(s) before the %d", method, url,
+                      response.interim, response.status)
+        if response.doubt:
+            log.warning("IMDS %s %s: %s; the connection was closed, not reused", method, url, response.doubt)
+        return response
 
     @staticmethod
     def _status_error(method: str, url: str, response: _Response) -> ImdsError:
@@ -252,16 +384,30 @@ class _Response:
     status: int
     headers: dict[str, str]  # lower-case names
     body: bytes
+    interim: int = 0  # 1xx answers skipped before this one
+    doubt: str | None = None  # why the connection was dropped after this answer, if it was for a reason
+
+
+class _TooLarge(Exception):
+    """The answer is larger than the cap: refused before its body is buffered."""
+
+
+class _Framing(Exception):
+    """The answer's framing is broken or suspicious (a callback stops the parser with this)."""
 
 
 class _Conn:
     """One kept-alive connection and its response parser (llhttp parses message after message)."""
 
-    __slots__ = ("sock", "parser", "headers", "chunks", "complete", "headers_done", "keep_alive")
+    __slots__ = ("sock", "parser", "headers", "chunks", "complete", "headers_done", "keep_alive", "interim",
+                 "size", "max_body", "limit", "doubt", "_readable")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, max_body: int) -> None:
         self.sock = sock
+        self.max_body = max_body
+        self.limit = max_body + HEAD_LIMIT  # bytes of one whole exchange, heads included
         self.parser = httptools.HttpResponseParser(self)
+        self._readable = _readable_check(sock)
         self.reset()
 
     def reset(self) -> None:
@@ -270,34 +416,61 @@ class _Conn:
         self.complete = False
         self.headers_done = False
         self.keep_alive = False
+        self.interim = 0
+        self.size = 0
+        self.doubt: str | None = None
 
-    # httptools callbacks
+    # httptools callbacks (an exception raised here stops the parser at once)
+    def on_message_begin(self) -> None:
+        if self.complete:  # bytes after the answer: whatever they are, this connection is not to be trusted
+            raise _Framing("data after the end of the answer")
+
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            return  # an interim answer (100 Continue, 103 Early Hints): on_message_complete skips it
         self.headers_done = True
         # llhttp answers this only until the message completes (HTTP/1.0 and "close" say no).
         self.keep_alive = bool(self.parser.should_keep_alive())
+        length = self.headers.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.max_body:
+            raise _TooLarge(f"Content-Length {int(length)} is over the {self.max_body}-byte cap ([imds] max_body)")
 
     def on_body(self, body: bytes) -> None:
+        self.size += len(body)
+        if self.size > self.max_body:
+            raise _TooLarge(f"the body passed the {self.max_body}-byte cap ([imds] max_body)")
         self.chunks.append(body)
 
     def on_message_complete(self) -> None:
+        if not self.headers_done:  # the end of an interim answer: the real one follows
+            self.interim += 1
+            if self.interim > MAX_INTERIM:
+                raise _Framing(f"more than {MAX_INTERIM} interim (1xx) answers")
+            self.headers = {}
+            return
         self.complete = True
 
-    def exchange(self, raw: bytes, read_timeout: float) -> _Response:
-        """Send one request and read its answer; raises _NoAnswer if not one byte came back."""
+    def stale(self) -> bool:
+        """Whether an idle connection has something to read: stray bytes, or the server's close."""
+        return self._readable()
+
+    def exchange(self, raw: bytes, end: float) -> _Response:
+        """Send one request and read its answer by ``end``; raises _NoAnswer if not one byte came back."""
         sock = self.sock
-        if sock.gettimeout() != read_timeout:  # each settimeout() is a system call
-            sock.settimeout(read_timeout)
         self.reset()
+        _arm(sock, end)
         try:
             sock.sendall(raw)
         except (BrokenPipeError, ConnectionResetError):
             raise _NoAnswer() from None
-        received = False
+        received = 0
         while not self.complete:
+            if received:
+                _arm(sock, end)  # the deadline is for the whole answer, not for each recv
             try:
                 data = sock.recv(65536)
             except ConnectionResetError:
@@ -312,35 +485,80 @@ class _Conn:
                     self.keep_alive = False
                     break  # a close-delimited body ends here
                 raise ConnectionResetError("the server closed the connection in the middle of its answer")
-            received = True
+            received += len(data)
+            if received > self.limit:
+                raise _TooLarge(f"the answer passed the {self.max_body}-byte cap ([imds] max_body; "
+                                f"{received} bytes read, heads and chunk framing included)")
             try:
                 self.parser.feed_data(data)
+            except httptools.HttpParserCallbackError as exc:
+                cause = exc.__context__
+                if isinstance(cause, _TooLarge):
+                    raise cause from None
+                if not self.complete:
+                    raise ConnectionResetError(f"malformed HTTP answer: {cause}") from None
+                # A complete answer followed by more: keep the answer, drop the connection.
+                self.keep_alive, self.doubt = False, str(cause)
+            except httptools.HttpParserUpgrade:
+                raise ConnectionResetError("malformed HTTP answer: an unrequested protocol switch (101)") from None
             except httptools.HttpParserError as exc:
-                raise ConnectionResetError(f"malformed HTTP answer: {exc}") from None
-        return _Response(self.parser.get_status_code(), self.headers, b"".join(self.chunks))
+                if not self.complete:
+                    raise ConnectionResetError(f"malformed HTTP answer: {exc}") from None
+                self.keep_alive, self.doubt = False, f"data after the end of the answer ({exc})"
+        return _Response(self.parser.get_status_code(), self.headers, b"".join(self.chunks), self.interim, self.doubt)
+
+
+def _arm(sock: socket.socket, end: float) -> None:
+    """Give the socket's next operation what is left until ``end`` (TimeoutError when nothing is)."""
+    left = end - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("deadline passed")
+    current = sock.gettimeout()
+    # settimeout() is a system call: skip it while the deadline barely moved (a kept-alive poll).
+    if current is None or abs(current - left) > 0.01:
+        sock.settimeout(left)
+
+
+def _readable_check(sock: socket.socket) -> Callable[[], bool]:
+    """A cheap "is there anything to read right now" for an idle plain-TCP socket (one poll() call)."""
+    import select
+
+    if hasattr(sock, "do_handshake"):  # TLS 1.3 servers send tickets after the handshake: no peeking there
+        return lambda: False
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return lambda: bool(poller.poll(0))
+    return lambda: bool(select.select([sock], [], [], 0)[0])
 
 
 class _Pool:
     """Kept-alive HTTP/1.1 connections to one host: one for the poller, more only while threads overlap.
 
     Requests are written as bytes and answers parsed by httptools (llhttp, the parser behind uvicorn),
-    which handles Content-Length, chunked and close-delimited bodies. No liveness probe runs before a
-    connection is reused: one the server closed while idle answers nothing, and the request is then
-    sent once more on a fresh connection, as urllib3 does. IMDS closes idle connections, and that
-    must cost neither a failed poll nor a system call on every other poll.
+    which handles Content-Length, chunked and close-delimited bodies. Before an idle connection is
+    reused one poll() says whether anything arrived on it meanwhile: stray bytes (a late or extra
+    answer that would be read as the answer to the next request) or the server's close; either way
+    it is dropped. A connection the server closes just as it is used answers nothing, and the
+    request is then sent once more on a fresh connection, as urllib3 does.
     """
 
     MAX_IDLE = 2
 
-    def __init__(self, base_url: str, connect_timeout: float) -> None:
+    def __init__(self, base_url: str, connect_timeout: float, max_body: int = MAX_BODY) -> None:
         parts = urlsplit(base_url)
         self.host = parts.hostname or ""
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.netloc = parts.netloc
         self.connect_timeout = connect_timeout
+        self.max_body = max_body
         self._idle: list[_Conn] = []
         self._lock = threading.Lock()
-        self._tls = ssl.create_default_context() if parts.scheme == "https" else None  # verification on
+        self._tls: ssl.SSLContext | None = None
+        if parts.scheme == "https":
+            import ssl
+
+            self._tls = ssl.create_default_context()  # verification on
 
     def encode(self, method: str, url: str, headers: dict[str, str], body: bytes | None = None) -> bytes:
         """The request's bytes (the poller builds its GET once and sends it again and again)."""
@@ -351,15 +569,22 @@ class _Pool:
             lines.append(f"Content-Length: {len(body or b'')}")
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
 
-    def request(self, raw: bytes, read_timeout: float) -> _Response:
+    def request(self, raw: bytes, timeout: float) -> _Response:
+        """One request and its answer, all within ``timeout`` seconds."""
+        end = time.monotonic() + timeout
+        conn: _Conn | None = None
         with self._lock:
-            conn = self._idle.pop() if self._idle else None
+            while self._idle and conn is None:
+                conn = self._idle.pop()
+                if conn.stale():
+                    conn.sock.close()
+                    conn = None
         reused = conn is not None
         while True:
             if conn is None:
-                conn = _Conn(self._connect())
+                conn = _Conn(self._connect(end), self.max_body)
             try:
-                response = conn.exchange(raw, read_timeout)
+                response = conn.exchange(raw, end)
             except _NoAnswer:
                 conn.sock.close()
                 conn = None
@@ -376,15 +601,19 @@ class _Pool:
                 conn.sock.close()
             return response
 
-    def _connect(self) -> socket.socket:
+    def _connect(self, end: float) -> socket.socket:
+        left = end - time.monotonic()
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.connect_timeout)
+            if left <= 0:
+                raise TimeoutError("deadline passed before connecting")
+            sock = socket.create_connection((self.host, self.port), timeout=min(self.connect_timeout, left))
         except TimeoutError as exc:
             exc.connecting = True  # type: ignore[attr-defined]
             raise
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._tls is not None:
+                _arm(sock, end)
                 sock = self._tls.wrap_socket(sock, server_hostname=self.host)
         except BaseException:
             sock.close()

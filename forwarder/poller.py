@@ -5,6 +5,7 @@ import logging
 import random
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from forwarder.delivery import Outbox
 from forwarder.errors import DocumentError, ForwarderError, ImdsError
 from forwarder.evidence import evidence_from_dict, evidence_to_dict, read_boot_id
 from forwarder.identity import VmIdentity
-from forwarder.imds import ImdsClient
+from forwarder.imds import RETRY_AFTER_CAP, ImdsClient
 from forwarder.logutil import RateLimitedLog
 from forwarder.records import RecordFactory, utcnow
 from forwarder.retry import Backoff
@@ -38,6 +39,7 @@ class PollStats:
     imds_errors: int = 0
     bad_documents: int = 0
     outbox_errors: int = 0
+    cycle_errors: int = 0  # unexpected exceptions inside one cycle (a bug, or input nobody foresaw)
     consecutive_failures: int = 0
     last_ok_wall: datetime | None = None
 
@@ -76,8 +78,10 @@ class Poller:
         self._mono = monotonic
         self._wall = wallclock
         self._errors = RateLimitedLog(log)
-        # Backing off must not make us miss short notices (Preempt gives 30 s): cap it low.
-        self._backoff = Backoff(initial=poll_interval, maximum=max(poll_interval, 5.0))
+        # Backing off must not make us miss short notices (Preempt gives 30 s): cap it, and a
+        # Retry-After, low (docs/imds-transport.md: at most 5 s, or the poll interval if longer).
+        cap = max(poll_interval, RETRY_AFTER_CAP)
+        self._backoff = Backoff(initial=poll_interval, maximum=cap, retry_after_cap=cap)
         self._rng = random.Random()
         self.stats = PollStats()
         self.started_mono = monotonic()
@@ -231,6 +235,7 @@ class Poller:
             "Polls": self.stats.polls,
             "ImdsErrors": self.stats.imds_errors,
             "BadDocuments": self.stats.bad_documents,
+            "CycleErrors": self.stats.cycle_errors,
             "LastPollOk": self.stats.last_ok_wall.isoformat().replace("+00:00", "Z") if self.stats.last_ok_wall else None,
             "CurrentEvents": len(self.current.events) if self.current else 0,
             "DocumentIncarnation": self.current.incarnation if self.current else None,
@@ -249,26 +254,49 @@ class Poller:
             self.factory.vm = vm
 
     def run(self) -> None:
-        """Poll at a fixed rate until ``stop`` is set."""
+        """Poll at a fixed rate until ``stop`` is set; no exception inside a cycle ends the loop."""
         next_poll = self._mono()
-        next_heartbeat = self._mono() + self.heartbeat if self.heartbeat > 0 else float("inf")
-        next_refresh = self._mono() + self.compute_refresh if self.compute_refresh > 0 else float("inf")
+        self._next_heartbeat = self._mono() + self.heartbeat if self.heartbeat > 0 else float("inf")
+        self._next_refresh = self._mono() + self.compute_refresh if self.compute_refresh > 0 else float("inf")
+        failed_cycles = 0
         while not self.stop.is_set():
-            self.drain_inbox()  # audits that arrived while we waited go before the next document
-            wait = self.poll_once()
-            self._waited_since_ok += wait
-            self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
+            try:
+                wait = self._cycle()
+                failed_cycles = 0
+            except Exception as exc:  # noqa: BLE001 - the watch must go on (see _cycle_failed)
+                failed_cycles += 1
+                wait = self._cycle_failed(exc, failed_cycles)
+            self._waited_since_ok += wait  # (pause evidence: time we chose to wait is no pause)
             now = self._mono()
-            if now >= next_heartbeat:
-                self.emit_lifecycle("heartbeat", **self.heartbeat_data())
-                next_heartbeat = now + self.heartbeat
-            if now >= next_refresh:
-                self.refresh_identity()
-                next_refresh = now + self.compute_refresh
             # Fixed rate, not fixed delay: a slow poll does not push every later poll back.
             next_poll = max(next_poll + wait, now) if wait == self.poll_interval else now + wait
             if self.stop.wait(max(0.0, next_poll - self._mono())):
                 break
+
+    def _cycle(self) -> float:
+        """One turn: audits, one poll, heartbeat and identity refresh when due; returns the wait."""
+        self.drain_inbox()  # audits that arrived while we waited go before the next document
+        wait = self.poll_once()
+        self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
+        now = self._mono()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.heartbeat
+            self.emit_lifecycle("heartbeat", **self.heartbeat_data())
+        if now >= self._next_refresh:
+            self._next_refresh = now + self.compute_refresh
+            self.refresh_identity()
+        return wait
+
+    def _cycle_failed(self, exc: Exception, in_a_row: int) -> float:
+        """Log an unexpected exception once per minute per kind and place, count it, back off."""
+        self.stats.cycle_errors += 1
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+        self._errors.log(logging.ERROR, f"cycle:{type(exc).__name__}:{where}",
+                         "unexpected error in the poll cycle (counted as cycle_errors; polling goes on): %s",
+                         "".join(traceback.format_exception(exc)).rstrip())
+        self._notify()  # whoever waits for polls must not wait for a cycle that will not come
+        return max(self.poll_interval, self._backoff.delay(in_a_row - 1, self._rng))
 
     def wait_for_polls(self, count: int, timeout: float) -> bool:
         """Block until ``stats.polls`` reaches ``count`` (used by demo and tests)."""

@@ -92,8 +92,7 @@ class Agent:
         from forwarder.approval.approver import Approver
 
         # Its own IMDS client: requests sessions are not shared between threads.
-        client = ImdsClient(self.config.imds.endpoint, self.config.imds.api_version, timeout=self.config.imds.timeout,
-                            compute_api_version=self.config.imds.compute_api_version, stop=self.stop)
+        client = ImdsClient.from_config(self.config.imds, stop=self.stop)
         self.approver = approver = Approver(ap, client, lambda: poller.factory.vm, poller.submit_audit,
                                             self.config.state.dir, self.stop)
         poller.on_changes = approver.on_changes
@@ -133,6 +132,7 @@ class Agent:
             "polls": st.polls,
             "imds_errors": st.imds_errors,
             "bad_documents": st.bad_documents,
+            "cycle_errors": st.cycle_errors,
             "consecutive_failures": st.consecutive_failures,
             "last_poll_ok": rfc3339(st.last_ok_wall),
             "outbox_errors": st.outbox_errors,
@@ -167,15 +167,7 @@ class Agent:
                 return 1
             store, state = opened
             resumed = state.document is not None
-            imds = ImdsClient(
-                cfg.imds.endpoint,
-                cfg.imds.api_version,
-                timeout=cfg.imds.timeout,
-                first_call_timeout=cfg.imds.first_call_timeout,
-                compute_api_version=cfg.imds.compute_api_version,
-                backoff=Backoff(initial=0.5, maximum=5.0),
-                stop=self.stop,
-            )
+            imds = ImdsClient.from_config(cfg.imds, stop=self.stop)
             # Before the sinks are built, so they can be observed; a no-op unless [telemetry] is set.
             telemetry = self.telemetry = create_telemetry(cfg.telemetry, cfg.state.dir)
             outbox = self._outbox(store)

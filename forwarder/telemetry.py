@@ -467,6 +467,13 @@ class Telemetry(NullTelemetry):
                                       "1 when a sink's worker is dead or its sends have failed for long")
         meter.create_observable_gauge("sefwd.healthy", [healthy], "1", "1 when /healthz says ok")
 
+        def cycle_errors(options: CallbackOptions) -> list[Observation]:
+            poller = self.health._poller
+            return [Observation(poller.stats.cycle_errors)] if poller is not None else []
+
+        meter.create_observable_counter("sefwd.poller.cycle_errors", [cycle_errors], "1",
+                                        "Unexpected exceptions inside a poll cycle (logged; polling went on)")
+
     def _snapshot(self) -> Mapping[str, Any]:
         if self._snapshot_fn is None:
             return {}

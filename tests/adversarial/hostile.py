@@ -30,14 +30,17 @@ class Reply:
     body: bytes | Callable[[], Iterator[bytes]] = b""
     headers: dict[str, str] = field(default_factory=dict)
     interim: list[bytes] = field(default_factory=list)  # raw 1xx heads, each sent as its own segment
+    interim_gap: float = 0.1  # pause after each interim head, so it arrives in a segment of its own
     drip: float = 0.0  # seconds between single bytes of the head+body (0 = one write)
     hold: float = 0.0  # seconds to wait before answering at all
     close: bool = False  # close the connection after this answer
     truncate: int | None = None  # close after this many bytes of the answer
+    raw: bytes | None = None  # send exactly these bytes instead of a well-formed answer (garbage)
 
     @staticmethod
     def json(doc: object, status: int = 200, **kw: object) -> Reply:
-        return Reply(status=status, body=orjson.dumps(doc), headers={"Content-Type": "application/json"}, **kw)  # type: ignore[arg-type]
+        headers = {"Content-Type": "application/json", **kw.pop("headers", {})}  # type: ignore[dict-item]
+        return Reply(status=status, body=orjson.dumps(doc), headers=headers, **kw)  # type: ignore[arg-type]
 
 
 Handler = Callable[[Request], Reply]
@@ -54,9 +57,12 @@ class HostileServer:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(128)
+        self._sock.listen(8)
         self._sock.settimeout(0.2)
         self._conns: list[socket.socket] = []
+        # Cleared: connections stay in the kernel's backlog, never accepted (a stalled server).
+        self.accepting = threading.Event()
+        self.accepting.set()
         self._thread = threading.Thread(target=self._accept, daemon=True)
 
     @property
@@ -94,6 +100,9 @@ class HostileServer:
 
     def _accept(self) -> None:
         while not self._stop.is_set():
+            if not self.accepting.is_set():
+                self._stop.wait(0.05)
+                continue
             try:
                 conn, _ = self._sock.accept()
             except (TimeoutError, socket.timeout):
@@ -142,7 +151,11 @@ class HostileServer:
                     return
                 for head in reply.interim:
                     conn.sendall(head)
-                if callable(reply.body):
+                    if self._stop.wait(reply.interim_gap):
+                        return
+                if reply.raw is not None:
+                    conn.sendall(reply.raw)
+                elif callable(reply.body):
                     self._send_streamed(conn, reply)
                 else:
                     self._send(conn, reply, reply.body)
@@ -180,8 +193,16 @@ class HostileServer:
             conn.sendall(data[i:i + 1])
 
     def _send_streamed(self, conn: socket.socket, reply: Reply) -> None:
-        """A body produced by a generator, sent chunked: a huge answer without building it."""
+        """A body produced by a generator, sent chunked (or raw, when the reply sets its own
+        Content-Length): a huge answer without building it."""
         assert callable(reply.body)
+        if "Content-Length" in reply.headers:
+            conn.sendall(self._head(reply, None))
+            for piece in reply.body():
+                if self._stop.is_set():
+                    return
+                conn.sendall(piece)
+            return
         headers = dict(reply.headers)
         headers["Transfer-Encoding"] = "chunked"
         conn.sendall(self._head(Reply(reply.status, headers=headers, close=reply.close), None))

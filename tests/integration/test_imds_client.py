@@ -4,12 +4,12 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from forwarder.errors import ConfigError, ImdsError
-from forwarder.imds import Fetch, ImdsClient
+from forwarder.imds import Fetch, ImdsClient, RequestBudget, validate_endpoint
 from forwarder.retry import Backoff
 from tests.peers.http_peer import HttpPeer, Response
 
@@ -93,7 +93,9 @@ def test_bare_metadata_base_url_is_accepted(peer: HttpPeer) -> None:
     assert peer.requests[0].path == EVENTS
 
 
-@pytest.mark.parametrize("endpoint", ["169.254.169.254", "ftp://host/", "http:///nohost", "http://h/?x=1"])
+@pytest.mark.parametrize("endpoint", ["169.254.169.254", "ftp://host/", "http:///nohost", "http://h/?x=1",
+                                      "http://user:pw@h", "http://h/#frag", "http://h/a b", "http://h/\r\nX: y",
+                                      "http://h:99999"])
 def test_bad_endpoint_is_a_config_error(endpoint: str) -> None:
     with pytest.raises(ConfigError, match="imds endpoint"):
         ImdsClient(endpoint, VERSION)
@@ -373,7 +375,7 @@ def test_compute_404_is_not_retried(peer: HttpPeer, client: ImdsClient) -> None:
 class RawPeer:
     """Accepts connections; for each request read, writes the next scripted bytes (then maybe closes)."""
 
-    def __init__(self, answers: list[tuple[bytes, bool]]) -> None:
+    def __init__(self, answers: list[tuple[bytes | Callable[[socket.socket], None], bool]]) -> None:
         self.answers = list(answers)
         self.connections = 0
         self.requests: list[bytes] = []
@@ -393,7 +395,10 @@ class RawPeer:
                 buf = b""
                 while self.answers:
                     while b"\r\n\r\n" not in buf:
-                        data = conn.recv(65536)
+                        try:
+                            data = conn.recv(65536)
+                        except OSError:  # the client dropped the connection (reset): next one
+                            data = b""
                         if not data:
                             break
                         buf += data
@@ -402,7 +407,10 @@ class RawPeer:
                     head, _, buf = buf.partition(b"\r\n\r\n")
                     self.requests.append(head)
                     answer, close = self.answers.pop(0)
-                    conn.sendall(answer)
+                    if callable(answer):
+                        answer(conn)  # writes its own bytes, pieces and pauses
+                    else:
+                        conn.sendall(answer)
                     if close:
                         break
 
@@ -468,3 +476,249 @@ def test_broken_answers_are_retryable_errors_that_say_what_happened(answer: byte
         assert info.value.status is None and info.value.retryable
     finally:
         peer.close()
+
+
+# -- hard bounds (docs/imds-transport.md): deadline, body cap, 1xx, connection hygiene, budget ---------
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(DOC)).encode() + b"\r\n\r\n" + DOC
+DOC2 = b'{"DocumentIncarnation":2,"Events":[]}'
+OK2 = b"HTTP/1.1 200 OK\r\nContent-Length: " + str(len(DOC2)).encode() + b"\r\n\r\n" + DOC2
+
+
+def pieces(*parts: bytes, pause: float = 0.15) -> Callable[[socket.socket], None]:
+    """An answer written in separate TCP segments, ``pause`` apart (Nagle off)."""
+    def write(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i, part in enumerate(parts):
+            if i:
+                time.sleep(pause)  # the peer's pacing, not test synchronisation
+            conn.sendall(part)
+    return write
+
+
+@pytest.mark.parametrize("interim", [
+    [b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"],
+    [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 102 Processing\r\n\r\n", b"HTTP/1.1 103 Early Hints\r\n\r\n"],
+], ids=["103-own-segment", "several-1xx"])
+def test_interim_answers_are_skipped_and_the_next_poll_reads_its_own_answer(interim: list[bytes]) -> None:
+    peer = RawPeer([(pieces(*interim, OK), False), (OK2, False)])
+    try:
+        with ImdsClient(peer.url, VERSION) as c:
+            first = c.scheduled_events()
+            assert (first.status, first.body) == (200, DOC)
+            assert c.scheduled_events().body == DOC2  # not the previous request's answer
+        assert peer.connections == 1
+    finally:
+        peer.close()
+
+
+def test_interim_and_final_answer_in_one_segment() -> None:
+    peer = RawPeer([(b"HTTP/1.1 103 Early Hints\r\n\r\n" + OK, False), (OK2, False)])
+    try:
+        with ImdsClient(peer.url, VERSION) as c:
+            assert c.scheduled_events().body == DOC
+            assert c.scheduled_events().body == DOC2
+    finally:
+        peer.close()
+
+
+def test_endless_interim_answers_are_a_framing_error() -> None:
+    peer = RawPeer([(b"HTTP/1.1 100 Continue\r\n\r\n" * 50, True)])
+    try:
+        with ImdsClient(peer.url, VERSION) as c, pytest.raises(ImdsError, match="interim") as info:
+            c.scheduled_events()
+        assert info.value.retryable
+    finally:
+        peer.close()
+
+
+def test_an_unrequested_protocol_switch_is_malformed() -> None:
+    peer = RawPeer([(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n", True)])
+    try:
+        with ImdsClient(peer.url, VERSION) as c, pytest.raises(ImdsError, match="malformed"):
+            c.scheduled_events()
+    finally:
+        peer.close()
+
+
+def test_a_slow_drip_is_cut_off_by_the_total_deadline() -> None:
+    def drip(conn: socket.socket) -> None:
+        for i in range(len(OK)):
+            try:
+                conn.sendall(OK[i:i + 1])
+            except OSError:
+                return  # the client gave up: what we want
+            time.sleep(0.1)  # the peer's pacing: one byte every 100 ms
+
+    peer = RawPeer([(drip, True)])
+    try:
+        with ImdsClient(peer.url, VERSION, timeout=0.6, first_call_timeout=0.6) as c:
+            started = time.monotonic()
+            with pytest.raises(ImdsError, match="timed out after 0.6s") as info:
+                c.scheduled_events()
+            assert time.monotonic() - started < 3.0  # per-recv timeouts would wait ~9 s here
+        assert info.value.retryable and info.value.status is None
+    finally:
+        peer.close()
+
+
+def test_a_content_length_over_the_cap_is_refused_without_reading_the_body() -> None:
+    head = b"HTTP/1.1 200 OK\r\nContent-Length: 300000000\r\n\r\n"
+    sent: list[int] = []
+
+    def huge(conn: socket.socket) -> None:
+        conn.sendall(head)
+        total = 0
+        try:
+            while total < 300_000_000:
+                total += conn.send(b"x" * 65536)
+        except OSError:
+            pass
+        sent.append(total)
+
+    peer = RawPeer([(huge, True), (OK, False)])
+    try:
+        with ImdsClient(peer.url, VERSION, max_body=64 * 1024) as c:
+            with pytest.raises(ImdsError, match="Content-Length 300000000 is over the 65536-byte cap"):
+                c.scheduled_events()
+            assert c.scheduled_events().body == DOC  # a fresh connection
+        wait_for_list(sent)
+        assert sent[0] < 50_000_000  # the client stopped reading (and closed) long before the end
+        assert peer.connections == 2
+    finally:
+        peer.close()
+
+
+def test_a_chunked_body_over_the_cap_is_refused_as_it_streams() -> None:
+    chunk = b"x" * 32768
+    sent: list[int] = []
+
+    def stream(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        total = 0
+        try:
+            for _ in range(10_000):  # 320 MB if nobody stops it
+                conn.sendall(b"8000\r\n" + chunk + b"\r\n")
+                total += len(chunk)
+        except OSError:
+            pass
+        sent.append(total)
+
+    peer = RawPeer([(stream, True)])
+    try:
+        with ImdsClient(peer.url, VERSION, max_body=256 * 1024) as c, \
+                pytest.raises(ImdsError, match="passed the 262144-byte cap"):
+            c.scheduled_events()
+        wait_for_list(sent)
+        assert sent[0] < 50_000_000
+    finally:
+        peer.close()
+
+
+def wait_for_list(values: list[int], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not values:
+        assert time.monotonic() < deadline, "the peer never finished"
+        time.sleep(0.02)
+
+
+def test_bytes_after_a_complete_answer_drop_the_connection() -> None:
+    # One segment carries the answer and a second, unrequested one: the first is the answer, and
+    # the connection cannot be trusted any more, so the next poll gets a fresh one and its own answer.
+    peer = RawPeer([(OK + OK2, False), (OK2, False)])
+    try:
+        with ImdsClient(peer.url, VERSION) as c:
+            assert c.scheduled_events().body == DOC
+            assert c.scheduled_events().body == DOC2
+        assert peer.connections == 2
+    finally:
+        peer.close()
+
+
+def test_a_late_stray_answer_on_an_idle_connection_is_never_read_as_the_next_answer() -> None:
+    stray = b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n{\"old\":1}"
+    peer = RawPeer([(pieces(OK, stray, pause=0.05), False), (OK2, False)])
+    try:
+        with ImdsClient(peer.url, VERSION) as c:
+            assert c.scheduled_events().body == DOC
+            time.sleep(0.3)  # let the stray bytes land on the idle connection (the scenario, not a sync)
+            assert c.scheduled_events().body == DOC2
+        assert peer.connections == 2
+    finally:
+        peer.close()
+
+
+def test_a_stalled_connect_is_bounded() -> None:
+    # A listener that never accepts, its backlog filled: the SYN of a further connect is dropped.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(0)
+    fillers = []
+    try:
+        for _ in range(8):
+            f = socket.socket()
+            f.setblocking(False)
+            f.connect_ex(server.getsockname())
+            fillers.append(f)
+        with ImdsClient(f"http://127.0.0.1:{server.getsockname()[1]}", VERSION, timeout=1.0,
+                        first_call_timeout=1.0, connect_timeout=0.5) as c:
+            started = time.monotonic()
+            with pytest.raises(ImdsError, match="timed out") as info:
+                c.scheduled_events()
+            assert time.monotonic() - started < 5.0
+        assert info.value.retryable
+    finally:
+        for f in fillers:
+            f.close()
+        server.close()
+
+
+def test_poll_retry_after_is_capped_for_retried_requests(peer: HttpPeer) -> None:
+    peer.queue(Response(429, {"Retry-After": "3600"}), Response(200))
+    with ImdsClient(peer.url, VERSION, backoff=Backoff(initial=0.01, maximum=0.02)) as c:
+        started = time.monotonic()
+        c.start_requests(["E1"])
+        took = time.monotonic() - started
+    assert 4.0 <= took < 20.0  # Retry-After honoured up to RETRY_AFTER_CAP (5 s), not for an hour
+
+
+def test_request_budget_allows_four_in_any_second() -> None:
+    now = [100.0]
+    budget = RequestBudget(clock=lambda: now[0])
+    waits: list[float] = []
+
+    class FakeStop:
+        def wait(self, seconds: float) -> bool:
+            waits.append(seconds)
+            now[0] += seconds
+            return False
+
+    stop = FakeStop()
+    for _ in range(4):
+        assert budget.acquire(stop)  # type: ignore[arg-type]
+    assert waits == []
+    assert budget.acquire(stop)  # type: ignore[arg-type]
+    assert waits == [pytest.approx(1.0)] and budget.waited == 1
+    stopped = threading.Event()
+    stopped.set()
+    for _ in range(3):
+        assert budget.acquire(stop)  # type: ignore[arg-type]
+    assert not budget.acquire(stopped)  # full, and shutting down: no wait
+
+
+def test_every_client_of_one_endpoint_shares_one_budget(peer: HttpPeer) -> None:
+    with ImdsClient(peer.url, VERSION) as a, ImdsClient(peer.url + "/", VERSION) as b:
+        assert a.budget is b.budget
+        started = time.monotonic()
+        for _ in range(3):
+            a.scheduled_events()
+            b.scheduled_events()
+        took = time.monotonic() - started
+    assert took >= 0.9  # 6 requests at 4 per second
+    times = sorted(r.received_at for r in peer.requests)
+    assert all(later - earlier >= 0.95 for earlier, later in zip(times, times[4:]))
+
+
+def test_validate_endpoint_normalizes_and_refuses_userinfo() -> None:
+    assert validate_endpoint(" http://127.0.0.1:8080/vm/a/metadata/ ") == "http://127.0.0.1:8080/vm/a"
+    with pytest.raises(ValueError, match="user:password"):
+        validate_endpoint("http://admin:secret@169.254.169.254")
