@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
+from forwarder.status import read_status
 from tests.adversarial.hostile import HostileServer, Reply, Request
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 
@@ -71,11 +72,8 @@ def start_agent(tmp_path: Path, server: HostileServer, env: dict[str, str] | Non
 
 
 def status_of(tmp_path: Path) -> dict[str, Any]:
-    """The ``imds`` part of the agent's status.json (empty until written)."""
-    try:
-        return dict(orjson.loads((tmp_path / "state" / "status.json").read_bytes()).get("imds") or {})
-    except (OSError, ValueError):
-        return {}
+    """The ``imds`` part of the agent's status report in the store (empty until written)."""
+    return dict((read_status(tmp_path / "state").get("agent") or {}).get("imds") or {})
 
 
 def rss_peak_mib(pid: int) -> float:
@@ -239,7 +237,7 @@ def test_an_exception_inside_the_cycle_is_logged_counted_and_survived(
         wait_until(lambda: "unexpected error in the poll cycle" in agent.logs() or "bad IMDS document" in agent.logs()
                    or "DurationInSeconds" in agent.logs(), 60, "the problem in the log")
         wait_until(lambda: status_of(tmp_path).get("cycle_errors") or status_of(tmp_path).get("bad_documents"),
-                   60, "the failure counted in status.json")
+                   60, "the failure counted in the status report")
         handler.phase = "good2"
         wait_until(lambda: len(scheduled_records(out)) >= 2, 60, "the second good document")
         assert agent.alive()
