@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import email.utils
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -24,6 +25,21 @@ KNOWN_FIELDS = (
     "DurationInSeconds",
 )
 _STRING_FIELDS = ("EventType", "ResourceType", "EventStatus", "Description", "EventSource")
+log = logging.getLogger(__name__)
+
+# Bounds on what the platform can send, so every later stage (diff, records, orjson, sinks) can
+# handle any document that parses. IMDS sends GUID EventIds, small incarnation counters, a
+# DurationInSeconds of -1 or a few hours, and NotBefore within days of now.
+INT64 = (-(2**63), 2**63 - 1)
+DURATION_RANGE = (-1, 366 * 24 * 3600)  # -1 = unknown; a year is already absurd
+EVENT_ID_MAX = 256
+INCARNATION_TEXT_MAX = 128
+NOT_BEFORE_YEARS = (1970, 9000)  # far from datetime's edges: arithmetic on it never overflows
+EXTRA_DEPTH_MAX = 8  # nesting levels of an unknown field kept
+EXTRA_FIELD_MAX = 4096  # serialized bytes of one unknown field kept
+EXTRA_FIELDS_MAX = 64  # unknown fields kept per event
+TRUNCATED = "…(truncated by sefwd)"
+_CONTROL = frozenset(chr(c) for c in (*range(0x20), 0x7F))
 
 
 def parse_not_before(raw: object) -> datetime | None:
@@ -40,7 +56,61 @@ def parse_not_before(raw: object) -> datetime | None:
             return None
     if parsed.tzinfo is None:  # IMDS times are UTC even when the zone is left out
         parsed = parsed.replace(tzinfo=timezone.utc)
-    return parsed.astimezone(timezone.utc)
+    try:
+        utc = parsed.astimezone(timezone.utc)
+    except (OverflowError, ValueError):  # year 1 or 9999 with an offset leaves datetime's range
+        return None
+    # Outside these years it is no real notice; null (NotBeforeRaw keeps the text) is safe downstream.
+    return utc if NOT_BEFORE_YEARS[0] <= utc.year <= NOT_BEFORE_YEARS[1] else None
+
+
+def _bounded(value: Any, depth: int) -> tuple[Any, bool]:
+    """An unknown field's value made safe to keep: depth, int width and size bounded; (value, cut)."""
+    if isinstance(value, bool) or value is None or isinstance(value, (float, str)):
+        return value, False
+    if isinstance(value, int):
+        return (value, False) if INT64[0] <= value <= INT64[1] else (str(value), True)
+    if depth >= EXTRA_DEPTH_MAX:
+        return TRUNCATED, True
+    cut = False
+    if isinstance(value, list):
+        items = []
+        for item in value:
+            kept, c = _bounded(item, depth + 1)
+            items.append(kept)
+            cut |= c
+        return items, cut
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            kept, c = _bounded(item, depth + 1)
+            out[key] = kept
+            cut |= c
+        return out, cut
+    return str(value), True
+
+
+def bounded_extra(obj: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The event's unknown fields, each bounded in depth, number width and size (cuts are logged)."""
+    extra: dict[str, Any] = {}
+    cut_fields: list[str] = []
+    for name, value in obj.items():
+        if name in KNOWN_FIELDS:
+            continue
+        if len(extra) >= EXTRA_FIELDS_MAX:
+            cut_fields.append("(more fields)")
+            break
+        kept, cut = _bounded(value, 0)
+        size = len(orjson.dumps(kept))
+        if size > EXTRA_FIELD_MAX:
+            kept, cut = orjson.dumps(kept)[:EXTRA_FIELD_MAX].decode("utf-8", "ignore") + TRUNCATED, True
+        extra[name[:EXTRA_FIELD_MAX]] = kept
+        if cut:
+            cut_fields.append(name[:64])
+    if cut_fields:
+        log.warning("%s: unknown field(s) %s kept truncated (deeper than %d levels, wider than 64-bit numbers "
+                    "or larger than %d bytes)", where, ", ".join(cut_fields), EXTRA_DEPTH_MAX, EXTRA_FIELD_MAX)
+    return extra
 
 
 def _int_or_none(value: object, what: str) -> int | None:
@@ -52,12 +122,27 @@ def _int_or_none(value: object, what: str) -> int | None:
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(value, str):
+    if isinstance(value, str) and len(value) <= 40:
         try:
             return int(value.strip())
         except ValueError:
             pass
-    raise DocumentError(f"{what} must be a number, got {value!r}")
+    raise DocumentError(f"{what} must be a number, got {_short(value)}")
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:80] + "…"
+
+
+def _duration(value: object, where: str) -> tuple[int | None, str | None]:
+    """DurationInSeconds within what the platform sends, else None with the raw text kept."""
+    number = _int_or_none(value, f"{where}.DurationInSeconds")
+    if number is None or DURATION_RANGE[0] <= number <= DURATION_RANGE[1]:
+        return number, None
+    raw = str(value)[:64]
+    log.warning("%s.DurationInSeconds %s is beyond what IMDS sends; kept only as DurationInSecondsRaw", where, raw)
+    return None, raw
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +161,7 @@ class Event:
     duration_seconds: int | None
     extra: Mapping[str, Any]
     raw: Mapping[str, Any] = field(repr=False)
+    duration_raw: str | None = None  # the text of a DurationInSeconds out of bounds (then None above)
 
     @property
     def started(self) -> bool:
@@ -106,22 +192,34 @@ def parse_event(obj: object, index: int) -> Event:
     if not isinstance(obj, dict):
         raise DocumentError(f"{where} must be an object, got {type(obj).__name__}")
     event_id = obj.get("EventId")
-    if not isinstance(event_id, str) or not event_id:
-        raise DocumentError(f"{where}.EventId must be a non-empty string, got {event_id!r}")
+    if not isinstance(event_id, str) or not event_id.strip():
+        raise DocumentError(f"{where}.EventId must be a non-empty string, got {_short(event_id)}")
+    # It becomes a record subject, an HTTP header value (binary CloudEvents) and a POST body.
+    if len(event_id) > EVENT_ID_MAX or any(ch in _CONTROL for ch in event_id):
+        raise DocumentError(f"{where}.EventId must be at most {EVENT_ID_MAX} characters without control "
+                            f"characters, got {_short(event_id)}")
     strings: dict[str, str | None] = {}
     for name in _STRING_FIELDS:
         value = obj.get(name)
         if value is not None and not isinstance(value, str):
-            raise DocumentError(f"{where}.{name} must be a string, got {value!r}")
+            raise DocumentError(f"{where}.{name} must be a string, got {_short(value)}")
         strings[name] = value
     resources = obj.get("Resources", [])
     if resources is None:
         resources = []
     if not isinstance(resources, list) or not all(isinstance(r, str) for r in resources):
-        raise DocumentError(f"{where}.Resources must be a list of strings, got {resources!r}")
+        raise DocumentError(f"{where}.Resources must be a list of strings, got {_short(resources)}")
     not_before_raw = obj.get("NotBefore")
     if not_before_raw is not None and not isinstance(not_before_raw, str):
-        raise DocumentError(f"{where}.NotBefore must be a string, got {not_before_raw!r}")
+        raise DocumentError(f"{where}.NotBefore must be a string, got {_short(not_before_raw)}")
+    duration, duration_raw = _duration(obj.get("DurationInSeconds"), where)
+    extra = bounded_extra(obj, where)
+    # What the differ compares: the known fields as sent (bounded above where it matters) and the
+    # bounded unknown ones, so no comparison or digest walks an unbounded structure.
+    raw = {k: obj[k] for k in KNOWN_FIELDS if k in obj}
+    if duration_raw is not None:
+        raw["DurationInSeconds"] = duration_raw
+    raw.update(extra)
     return Event(
         event_id=event_id,
         event_type=strings["EventType"],
@@ -132,9 +230,10 @@ def parse_event(obj: object, index: int) -> Event:
         not_before=parse_not_before(not_before_raw),
         description=strings["Description"],
         event_source=strings["EventSource"],
-        duration_seconds=_int_or_none(obj.get("DurationInSeconds"), f"{where}.DurationInSeconds"),
-        extra={k: v for k, v in obj.items() if k not in KNOWN_FIELDS},
-        raw=obj,
+        duration_seconds=duration,
+        extra=extra,
+        raw=raw,
+        duration_raw=duration_raw,
     )
 
 
@@ -155,17 +254,22 @@ def parse_document(body: bytes | str | Mapping[str, Any]) -> Document:
     if "Events" not in obj:
         raise DocumentError("document has no 'Events' array")
     events = obj["Events"]
-    if events is None:
-        events = []
+    # null is no more "no events" than a missing array: reading it as empty invents cancellations.
     if not isinstance(events, list):
-        raise DocumentError(f"'Events' must be an array, got {type(events).__name__}")
+        raise DocumentError(f"'Events' must be an array, got {'null' if events is None else type(events).__name__}")
     incarnation: int | str | None
     raw_inc = obj.get("DocumentIncarnation")
     try:
         incarnation = _int_or_none(raw_inc, "DocumentIncarnation")
+        if incarnation is not None and not INT64[0] <= incarnation <= INT64[1]:
+            # Wider than 64 bits (JSON parsers read such integers as floats): kept as opaque text.
+            raw_inc, incarnation = str(raw_inc), None
+            raise DocumentError("wider than 64 bits")
     except DocumentError:
         if not isinstance(raw_inc, str):
             raise
+        if len(raw_inc) > INCARNATION_TEXT_MAX or any(ch in _CONTROL for ch in raw_inc):
+            raise DocumentError(f"DocumentIncarnation must be a number or a short text, got {_short(raw_inc)}") from None
         incarnation = raw_inc  # an opaque string is still a usable incarnation
     parsed = tuple(parse_event(e, i) for i, e in enumerate(events))
     seen: set[str] = set()

@@ -72,6 +72,7 @@ def event_data(event: Event) -> dict[str, Any]:
         "Description": event.description,
         "EventSource": event.event_source,
         "DurationInSeconds": event.duration_seconds,
+        **({"DurationInSecondsRaw": event.duration_raw} if event.duration_raw is not None else {}),
     }
 
 

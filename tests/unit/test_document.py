@@ -102,7 +102,9 @@ def test_unknown_event_type_and_extra_fields_are_kept():
 
 def test_empty_document_and_null_events():
     assert parse_document(b'{"DocumentIncarnation": 0, "Events": []}').events == ()
-    assert parse_document(b'{"DocumentIncarnation": 0, "Events": null}').events == ()
+    # null is as broken as a missing array: read as "no events" it would cancel every event.
+    with pytest.raises(DocumentError, match="'Events' must be an array, got null"):
+        parse_document(b'{"DocumentIncarnation": 0, "Events": null}')
 
 
 @pytest.mark.parametrize(
