@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 import orjson
 
 from forwarder.emulator.engine import Clock, Platform
-from forwarder.emulator.faults import Fault, FaultQueue
+from forwarder.emulator.faults import SHAPING_KINDS, Fault, FaultQueue
 from forwarder.emulator.model import (
     INSTANCE_VERSIONS, MIN_COMPUTE_VERSION, MIN_NOTICE, MIN_TOKEN_VERSION, SE_VERSIONS, SpecError, VmProfile,
     looks_like_version,
@@ -79,6 +79,7 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
     timeout = 60
     _count_ctx: tuple[str, str, str] | None = None  # (vm, method, endpoint) of the request being served
+    _shaping: Fault | None = None  # a hostile-answer fault waiting for the normal 200 answer
     server: _Server
 
     def setup(self) -> None:
@@ -134,6 +135,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: bytes = b"", *, content_type: str = "application/json; charset=utf-8",
               headers: Iterable[tuple[str, str]] = ()) -> None:
+        shaping, self._shaping = self._shaping, None
+        if shaping is not None and status == 200:
+            self._send_hostile(shaping, body, content_type, headers)
+            return
         self._record(status)
         self.send_response(status)
         if body or status not in (204, 304):
@@ -152,6 +157,49 @@ class _Handler(BaseHTTPRequestHandler):
         if body and self.command != "HEAD":
             buffered.append(body)
         self.flush_headers()
+
+    def _send_hostile(self, fault: Fault, body: bytes, content_type: str, headers: Iterable[tuple[str, str]]) -> None:
+        """The normal answer, shaped as ``fault`` says: dripped, oversized, nested or out of range."""
+        emu = self.server.emulator
+        if fault.kind in ("nested", "out_of_range"):
+            body = fault.reshape(body)
+        self._record(200)
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        for name, value in headers:
+            self.send_header(name, value)
+        pieces: Iterable[bytes] = [body]
+        if fault.kind == "oversized":
+            length, pieces = fault.oversized(body)
+            if fault.chunked:
+                self.send_header("Transfer-Encoding", "chunked")
+            else:
+                self.send_header("Content-Length", str(length))
+        else:
+            self.send_header("Content-Length", str(len(body)))
+        self.close_connection = True  # a hostile answer is the last one on its connection
+        self.send_header("Connection", "close")
+        try:
+            if fault.kind == "drip":
+                head: list[bytes] = self._headers_buffer  # type: ignore[attr-defined]  # (set by send_response)
+                data = b"".join(head) + b"\r\n" + body
+                head.clear()
+                for i in range(len(data)):
+                    if emu.stop_event.wait(fault.delay or 0):
+                        return
+                    self.wfile.write(data[i:i + 1])
+                    self.wfile.flush()
+                return
+            self.end_headers()
+            for piece in pieces:
+                if emu.stop_event.is_set():
+                    return
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece) if fault.chunked else piece)
+            if fault.kind == "oversized" and fault.chunked:
+                self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:  # the client gave up on it, as it should
+            pass
 
     def _record(self, status: int | str) -> None:
         # Counted before the answer leaves, so a client that got it always finds it in stats().
@@ -181,6 +229,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch_checked(self, method: str) -> None:
         emu = self.server.emulator
         self._count_ctx = None
+        self._shaping = None
         if _wants_close(self.headers.get_all("Connection") or []):
             self.close_connection = True
         body = self._read_body()
@@ -279,6 +328,19 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _apply_fault(self, emu: Emulator, fault: Fault) -> int | str | None:
         log.info("emulator: injecting %s fault (%s)", fault.kind, fault.status or fault.delay or "")
+        if fault.kind in SHAPING_KINDS:
+            self._shaping = fault  # applied by _send to the normal answer
+            return None
+        if fault.kind == "interim":
+            try:
+                for head in fault.interim_heads():  # each in its own TCP segment
+                    self.wfile.write(head)
+                    self.wfile.flush()
+                    if emu.stop_event.wait(fault.delay or 0):
+                        break
+            except OSError:
+                pass
+            return None
         if fault.kind == "slow":
             emu.stop_event.wait(fault.delay or 0)
             return None

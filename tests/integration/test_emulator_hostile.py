@@ -1,0 +1,99 @@
+"""The emulator's hostile-answer faults, so users can test their own handling: observed by raw sockets
+(for the framing) and by the real agent (which must survive each of them)."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from forwarder.emulator import Emulator, SpecError
+from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+
+REQUEST = b"GET /metadata/scheduledevents?api-version=2020-07-01 HTTP/1.1\r\nHost: x\r\nMetadata: true\r\nConnection: close\r\n\r\n"
+
+
+def raw_answer(emu: Emulator, limit: int = 1 << 20, timeout: float = 30) -> bytes:
+    with socket.create_connection(("127.0.0.1", emu.port), timeout=timeout) as s:
+        s.sendall(REQUEST)
+        data = bytearray()
+        while len(data) < limit:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        return bytes(data)
+
+
+@pytest.fixture
+def emu() -> Emulator:
+    with Emulator(vms=["myVM"], rate_limit=None) as e:
+        e.schedule(type="Reboot", resources=["myVM"], not_before="+15m")
+        yield e
+
+
+def test_interim_answers_come_first_each_on_its_own(emu: Emulator) -> None:
+    emu.inject_fault("interim", statuses=[100, 103], delay=0.05)
+    data = raw_answer(emu)
+    assert data.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\n\r\nHTTP/1.1 200 ")
+
+
+def test_drip_sends_the_answer_byte_by_byte(emu: Emulator) -> None:
+    emu.inject_fault("drip", delay=0.001)
+    started = time.monotonic()
+    data = raw_answer(emu)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["Events"]
+    assert time.monotonic() - started >= 0.001 * len(data) * 0.5  # (not a timing goal: it did drip)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_oversized_answer_is_streamed(emu: Emulator, chunked: bool) -> None:
+    emu.inject_fault("oversized", size=4 * 1024 * 1024, chunked=chunked)
+    data = raw_answer(emu, limit=8 * 1024 * 1024)
+    head = data.partition(b"\r\n\r\n")[0].lower()
+    assert (b"transfer-encoding: chunked" in head) if chunked else (b"content-length: 4194304" in head)
+    assert len(data) >= 4 * 1024 * 1024
+
+
+def test_nested_and_out_of_range_documents_are_valid_json_with_hostile_values(emu: Emulator) -> None:
+    emu.inject_fault("nested", depth=50)
+    body = raw_answer(emu).partition(b"\r\n\r\n")[2]
+    assert body.count(b'{"Nested":') == 50
+    emu.inject_fault("out_of_range")
+    doc = json.loads(raw_answer(emu).partition(b"\r\n\r\n")[2])
+    assert doc["DocumentIncarnation"] > 2**64 and doc["Events"][0]["DurationInSeconds"] > 2**64
+    assert doc["Events"][0]["NotBefore"].startswith("0001-")
+
+
+def test_bad_hostile_fault_specs_are_refused(emu: Emulator) -> None:
+    for spec in ({"size": 0}, {"size": True}):
+        with pytest.raises(SpecError):
+            emu.inject_fault("oversized", **spec)
+    with pytest.raises(SpecError):
+        emu.inject_fault("interim", statuses=[101])
+    with pytest.raises(SpecError):
+        emu.inject_fault("out_of_range", field="nope")
+
+
+def test_the_agent_survives_every_hostile_fault(tmp_path: Path, emu: Emulator) -> None:
+    out = tmp_path / "out.jsonl"
+    config = write_config(tmp_path / "sefwd.toml", emu.url, tmp_path / "state", poll_interval="500ms")
+    agent = AgentProcess(config, tmp_path / "agent.log", env={"SEFWD_IMDS_TIMEOUT": "2s"})
+    try:
+        wait_until(lambda: [r for r in read_jsonl(out) if r["type"] == "scheduledevent.scheduled"], 60, "first record")
+        for kind, options in [("interim", {}), ("drip", {"delay": 0.5}), ("oversized", {"size": 32 * 1024 * 1024}),
+                              ("oversized", {"size": 32 * 1024 * 1024, "chunked": True}), ("nested", {"depth": 5000}),
+                              ("out_of_range", {})]:
+            before = emu.stats()["requests"]["myVM"]["GET"]
+            emu.inject_fault(kind, count=2, **options)
+            wait_until(lambda: emu.stats()["requests"]["myVM"]["GET"] >= before + 3, 60, f"polls through {kind}")
+            assert agent.alive(), agent.logs()[-3000:]
+        second = emu.schedule(type="Freeze", resources=["myVM"], not_before="+15m")
+        wait_until(lambda: any(r["subject"] == second for r in read_jsonl(out)), 60, "a record after every fault")
+        kinds = [r["type"] for r in read_jsonl(out) if r["type"].startswith("scheduledevent.")]
+        assert "scheduledevent.canceled" not in kinds and "scheduledevent.ended" not in kinds, kinds
+    finally:
+        assert agent.terminate() == 0, agent.logs()[-3000:]
