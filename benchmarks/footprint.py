@@ -27,6 +27,16 @@ from tests.peers.logs_ingestion import LogsIngestionPeer, emulator_tokens  # noq
 from tests.peers.webhook_receiver import WebhookReceiver  # noqa: E402
 
 RSS_GOAL_MIB = {"stdout_only": 40.0, "all_sinks": 120.0}
+HOSTILE_RSS_GOAL_MIB = 64.0  # a stdout-only agent while IMDS serves hostile documents (issue 11)
+HOSTILE_RETURN_MIB = 8.0  # "returns to baseline": RSS after the hostile phase within this of before
+# What the emulator serves in the hostile phase: (name, fault kind, options), each for a few polls.
+HOSTILE_FAULTS = (
+    ("oversized_64mib", "oversized", {"size": 64 * 1024 * 1024}),
+    ("oversized_chunked_64mib", "oversized", {"size": 64 * 1024 * 1024, "chunked": True}),
+    ("nested_50000", "nested", {"depth": 50_000}),
+    ("out_of_range", "out_of_range", {}),
+)
+HUGE_EVENTS = 400  # events in one document (about 200 KB), each with a long description
 STARTUP_GOAL_MS = 400.0
 CONFIGS = ("stdout_only", "all_sinks")
 ALL_SINKS = ("stdout", "file", "webhook", "eventhubs", "loganalytics", "appinsights")
@@ -194,6 +204,59 @@ def _wait_delivered(agents: dict[str, _Agent], peers: _Peers, event_id: str) -> 
         time.sleep(0.1)
 
 
+def _vm_memory(pid: int) -> tuple[float, float]:
+    """(current RSS, peak RSS) of ``pid`` in MiB, from /proc (VmRSS, VmHWM)."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def hostile_rss(work: Path, settle: float) -> dict[str, Any]:
+    """RSS of a stdout-only agent before, during (peak) and after IMDS serves hostile documents, then the
+    peak with a legitimate document of ``HUGE_EVENTS`` events (its events stay in the agent's state)."""
+    with Emulator(vms=["hostile"], rate_limit=None) as emu:
+        emu.schedule(type="Reboot", resources=["hostile"], not_before="+1h")
+        proc = spawn_agent(emu, work / "hostile", "hostile", '[[sinks]]\ntype = "stdout"\nname = "stdout"\n',
+                           poll_interval_ms=500)
+
+        def gets() -> int:
+            return int(emu.stats()["requests"].get("hostile", {}).get("GET", 0))
+
+        def wait_gets(count: int, what: str) -> None:
+            deadline = time.monotonic() + 120
+            while gets() < count:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"hostile footprint: agent {'died' if proc.poll() is not None else 'stalled'} ({what})")
+                time.sleep(0.1)
+
+        try:
+            wait_gets(3, "first polls")
+            time.sleep(settle)
+            baseline, _ = _vm_memory(proc.pid)
+            peaks: dict[str, float] = {}
+            for name, kind, options in HOSTILE_FAULTS:
+                before = gets()
+                emu.inject_fault(kind, count=3, **options)
+                wait_gets(before + 4, name)
+                peaks[name] = round(_vm_memory(proc.pid)[1], 1)
+            time.sleep(settle)
+            after, _ = _vm_memory(proc.pid)  # the hostile answers left nothing behind
+            # A legitimate but huge document last: its events are state the agent must keep.
+            for i in range(HUGE_EVENTS):
+                emu.schedule(type="Freeze", resources=["hostile"], not_before="+1h", description="d" * 400)
+            wait_gets(gets() + 4, "huge document")
+            peaks["huge_document_400_events"] = round(_vm_memory(proc.pid)[1], 1)
+            _, peak = _vm_memory(proc.pid)
+            alive = proc.poll() is None
+        finally:
+            stop_agents([proc])
+    return {"baseline_mib": round(baseline, 1), "peak_mib": round(peak, 1), "after_mib": round(after, 1),
+            "peak_after_each_mib": peaks, "alive": alive}
+
+
 def run(sizes: Sizes) -> dict[str, Any]:
     plan = PLANS[sizes.name]
     startup: dict[str, list[float]] = {c: [] for c in CONFIGS}
@@ -228,6 +291,8 @@ def run(sizes: Sizes) -> dict[str, Any]:
         finally:
             for agent in agents.values():
                 agent.stop()
+    with scratch_dir("footprint-hostile-") as work:
+        hostile = hostile_rss(work, plan.settle)
     median = {name: statistics.median(runs) for name, runs in startup.items()}
     rss = {name: memory[name]["rss"] for name in CONFIGS}
     configured = [s for s in ALL_SINKS if s != "eventhubs" or peers.eventhubs is not None]
@@ -245,6 +310,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
         "missing": peers.missing,
         "delivered": delivered,
         "settle_s": plan.settle,
+        "hostile_rss_mib": hostile,
     }
     return result(figures, [
         goal(f"stdout-only RSS <= {RSS_GOAL_MIB['stdout_only']:g} MiB", rss["stdout_only"] <= RSS_GOAL_MIB["stdout_only"]),
@@ -253,4 +319,8 @@ def run(sizes: Sizes) -> dict[str, Any]:
              median["stdout_only"] <= STARTUP_GOAL_MS),
         goal("every sink type configured and each delivered the event (RSS reflects loaded SDKs)",
              not peers.missing and all(delivered.values())),
+        goal(f"stdout-only RSS under hostile documents (oversized, chunked, nested, out of range, {HUGE_EVENTS} events) "
+             f"< {HOSTILE_RSS_GOAL_MIB:g} MiB, alive, and back within {HOSTILE_RETURN_MIB:g} MiB of before",
+             hostile["alive"] and hostile["peak_mib"] < HOSTILE_RSS_GOAL_MIB
+             and hostile["after_mib"] <= hostile["baseline_mib"] + HOSTILE_RETURN_MIB),
     ])
