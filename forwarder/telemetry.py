@@ -17,7 +17,6 @@ The MeterProvider is the agent's own, never the global one.
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
@@ -33,6 +32,7 @@ import orjson
 
 from forwarder import __version__
 from forwarder.errors import ConfigError, ImdsError
+from forwarder.loopback import is_loopback
 from forwarder.sinkapi import Ok, Record, Reject, Result, Sink
 
 if TYPE_CHECKING:
@@ -307,15 +307,6 @@ class _Server(ThreadingHTTPServer):
     telemetry: Telemetry
 
 
-def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _read_connection_string(config: TelemetryConfig) -> str:
     if config.connection_string_env:
         value = os.environ.get(config.connection_string_env, "").strip()
@@ -555,9 +546,9 @@ class Telemetry(NullTelemetry):
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="telemetry-http", daemon=True)
         self._thread.start()
-        level = logging.INFO if _is_loopback(host) else logging.WARNING
+        level = logging.INFO if is_loopback(host) else logging.WARNING
         log.log(level, "telemetry: /metrics and /healthz on %s%s", self.url,
-                "" if _is_loopback(host) else " (not loopback: reachable from the network)")
+                "" if is_loopback(host) else " (not loopback: reachable from the network)")
 
     def stop(self) -> None:
         """Stop the endpoint, then flush and shut the readers (a last Azure Monitor export)."""

@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "emulator_command", None) == "ctl":
         return _ctl(args)
     from forwarder.emulator.scenario import builtin_scenarios, load_scenario
-    from forwarder.emulator.server import Emulator, is_loopback
+    from forwarder.emulator.server import Emulator
+    from forwarder.loopback import is_loopback
 
     if args.list_scenarios:
         for name in builtin_scenarios():

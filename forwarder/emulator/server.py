@@ -35,7 +35,6 @@ ROUTES: dict[str, tuple[str, tuple[str, ...]]] = {
     "/metadata/versions": ("versions", ("GET",)),
 }
 MAX_BODY = 64 * 1024
-_LOOPBACK = ("127.", "::1", "localhost")
 _HTML_PAGE = (b"<!DOCTYPE html>\n<html><head><title>502 Bad Gateway</title></head>\n"
               b"<body><h1>Bad Gateway</h1><p>The proxy server received an invalid response.</p></body></html>\n")
 _MALFORMED = b'{"DocumentIncarnation": 7, "Events": [{"EventId": "C7061BAC-AFDC-45'
@@ -631,9 +630,4 @@ class Emulator:
         self.platform.reset()
 
 
-def is_loopback(host: str) -> bool:
-    """Whether binding here keeps the emulator private to this machine."""
-    return host.startswith(_LOOPBACK)
-
-
-__all__ = ["Emulator", "is_loopback"]
+__all__ = ["Emulator"]
