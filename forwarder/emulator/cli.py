@@ -142,7 +142,11 @@ def run(args: argparse.Namespace) -> int:
         emulator = Emulator(host, port, scenario=args.scenario, vms=args.vms, rate_limit=args.rate_limit or None,
                             time_scale=args.time_scale, first_call_delay=timings["first_call_delay"],
                             terminate_notice=timings["terminate_notice"], etag=args.etag)
-        with emulator:
+        try:
+            emulator.start()
+        except OSError as exc:  # a busy port, a missing permission: one line, not a traceback
+            raise ForwarderError(f"cannot listen on {args.listen}: {exc.strerror or exc}") from None
+        try:
             print(f"IMDS emulator at {emulator.url} (default VM {emulator.default_vm}; "
                   f"others at {emulator.url}/vm/<name>; control API {emulator.url}/_emulator/state)",
                   file=sys.stderr, flush=True)
@@ -151,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
                     log.info("scenario finished, exiting")
                     break
                 stop.wait(0.2)
+        finally:
+            emulator.stop()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

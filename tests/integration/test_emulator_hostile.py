@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 
 from forwarder.emulator import Emulator, SpecError
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.conftest import ROOT
 
 REQUEST = b"GET /metadata/scheduledevents?api-version=2020-07-01 HTTP/1.1\r\nHost: x\r\nMetadata: true\r\nConnection: close\r\n\r\n"
 
@@ -97,3 +100,17 @@ def test_the_agent_survives_every_hostile_fault(tmp_path: Path, emu: Emulator) -
         assert "scheduledevent.canceled" not in kinds and "scheduledevent.ended" not in kinds, kinds
     finally:
         assert agent.terminate() == 0, agent.logs()[-3000:]
+
+
+def test_emulator_on_a_busy_port_is_one_clear_line(emu: Emulator) -> None:
+    done = subprocess.run([sys.executable, "-m", "forwarder", "emulator", "--listen", f"127.0.0.1:{emu.port}"],
+                          capture_output=True, cwd=ROOT, timeout=60)
+    err = done.stderr.decode()
+    assert done.returncode == 1, err
+    assert err.strip() == f"sefwd: cannot listen on 127.0.0.1:{emu.port}: Address already in use", err
+
+
+def test_emulator_refuses_a_name_that_only_looks_like_loopback() -> None:
+    done = subprocess.run([sys.executable, "-m", "forwarder", "emulator", "--listen", "localhost.example.com:0"],
+                          capture_output=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 2 and "--allow-remote" in done.stderr.decode(), done.stderr.decode()
