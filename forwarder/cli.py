@@ -25,6 +25,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 EXIT_BAD_DOCUMENT = 3
+EXIT_DEGRADED = 4  # `sefwd status`: the agent runs, but something needs attention
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -300,15 +301,18 @@ def cmd_status(args: argparse.Namespace) -> int:
     import orjson
 
     from forwarder.config import load_config
-    from forwarder.status import format_status, read_status
+    from forwarder.status import format_status, health, read_status
 
     config = load_config(args.config)
     status = read_status(config.state.dir)
+    state, reasons = health(status)
+    status["health"] = {"state": state, "reasons": reasons}
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(status, option=orjson.OPT_INDENT_2) + b"\n")
     else:
         print(format_status(status))
-    return EXIT_OK
+    # Scripts can trust the code: 0 healthy, 1 not running, 4 running but degraded.
+    return {"healthy": EXIT_OK, "not_running": EXIT_FAILURE}.get(state, EXIT_DEGRADED)
 
 
 def cmd_deadletter(args: argparse.Namespace) -> int:

@@ -126,12 +126,33 @@ def read_status(state_dir: Path) -> dict[str, Any]:
     return out
 
 
+def health(s: dict[str, Any]) -> tuple[str, list[str]]:
+    """``not_running``, ``degraded`` (with the reasons) or ``healthy``: what `sefwd status` exits with."""
+    if not s.get("running"):
+        return "not_running", ["the agent is not running"]
+    reasons = []
+    agent = s.get("agent") or {}
+    if not agent:
+        reasons.append("no status report yet")
+    if s.get("error"):
+        reasons.append("the store is unreadable")
+    imds = agent.get("imds") or {}
+    if imds.get("consecutive_failures"):
+        reasons.append(f"the last {imds['consecutive_failures']} IMDS poll(s) failed")
+    reasons += [f"sink {name} is stuck" for name, sk in sorted((agent.get("sinks") or {}).items()) if sk.get("stuck")]
+    if agent.get("data_lost"):
+        reasons.append("data was lost at start")
+    return ("degraded", reasons) if reasons else ("healthy", [])
+
+
 def format_status(s: dict[str, Any]) -> str:
     """A human page for ``sefwd status``."""
     lines = []
     agent = s.get("agent") or {}
     running = "running" if s["running"] else "NOT running"
     lines.append(f"agent: {running} (state dir {s['state_dir']})")
+    state, reasons = health(s)
+    lines.append(f"health: {state.replace('_', ' ')}" + (f" ({'; '.join(reasons)})" if reasons and s["running"] else ""))
     if agent:
         age = ""
         try:

@@ -82,10 +82,13 @@ def test_status_deadletter_list_and_replay(tmp_path):
         assert status.returncode == 0
         st = orjson.loads(status.stdout)
         assert st["running"] is True and st["dead_letters"]["hook"] >= 2
+        assert st["health"] == {"state": "healthy", "reasons": []}  # dead letters are kept, not a fault
         assert [e["EventId"] for e in st["current_events"]] == [event_id]
         human = sefwd("status", "--config", str(config))
         assert "sink hook" in human.stdout and event_id in human.stdout
         assert agent.terminate() == 0
+        stopped = sefwd("status", "--config", str(config), "--json")
+        assert stopped.returncode == 1 and orjson.loads(stopped.stdout)["health"]["state"] == "not_running"
         listed = sefwd("deadletter", "list", "hook", "--config", str(config), "--json")
         rows = [orjson.loads(line) for line in listed.stdout.splitlines()]
         assert rows and all(r["reason"] == "http_400" for r in rows)
