@@ -323,14 +323,19 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
     if args.deadletter_command == "list":
         import orjson
 
-        if not (config.state.dir / DB_FILE).is_file():
-            print("0 dead letter(s)", file=sys.stderr)
-            return EXIT_OK
-        store = Store.open(config.state.dir)
+        configured = [s.name for s in config.sinks]
+        store = Store.open(config.state.dir) if (config.state.dir / DB_FILE).is_file() else None
         try:
-            letters = store.dead_letters(args.sink)
+            counts = store.dead_counts() if store is not None else {}
+            # A sink no longer configured may still hold dead letters; any other name is a typo.
+            if args.sink is not None and args.sink not in configured and args.sink not in counts:
+                print(f"sefwd: no sink named {args.sink!r} (configured: {', '.join(configured) or 'none'})",
+                      file=sys.stderr)
+                return EXIT_CONFIG
+            letters = store.dead_letters(args.sink) if store is not None else []
         finally:
-            store.close()
+            if store is not None:
+                store.close()
         for dl in letters:
             if args.json:
                 obj = {"sink": dl.sink, "time": dl.time, "reason": dl.reason, "detail": dl.detail, "record": dl.record.to_dict()}

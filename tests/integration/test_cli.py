@@ -89,6 +89,8 @@ def test_status_deadletter_list_and_replay(tmp_path):
         assert agent.terminate() == 0
         stopped = sefwd("status", "--config", str(config), "--json")
         assert stopped.returncode == 1 and orjson.loads(stopped.stdout)["health"]["state"] == "not_running"
+        typo = sefwd("deadletter", "list", "hokk", "--config", str(config))
+        assert typo.returncode == 2 and "no sink named 'hokk' (configured: file, hook)" in typo.stderr, typo.stderr
         listed = sefwd("deadletter", "list", "hook", "--config", str(config), "--json")
         rows = [orjson.loads(line) for line in listed.stdout.splitlines()]
         assert rows and all(r["reason"] == "http_400" for r in rows)
