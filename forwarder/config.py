@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from forwarder.approval.config import parse_approval, parse_listen
+from forwarder.approval.config import parse_approval
 from forwarder.approval.settings import ApprovalConfig
 from forwarder.connection_strings import appinsights_problems
 from forwarder.errors import ConfigError
+from forwarder.http_server import parse_listen
 from forwarder.logutil import redact
 from forwarder.units import (
     boolean, choice, control_characters, duration, format_duration, parse_duration, size, suggest,
@@ -207,10 +208,7 @@ def _directory(value: Any) -> Path:
 
 def _telemetry_listen(value: Any) -> tuple[str, int]:
     # A bare port means loopback: exposing metrics beyond the host must be written out.
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = str(value)
-    text = _string(value).strip()
-    return parse_listen(f"127.0.0.1:{text}" if text.isdigit() else text)
+    return parse_listen(value, bare_port_host="127.0.0.1")
 
 
 def _optional_file(value: Any) -> Path | None:

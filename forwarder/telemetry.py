@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -32,7 +31,7 @@ import orjson
 
 from forwarder import __version__
 from forwarder.errors import ConfigError, ImdsError
-from forwarder.loopback import is_loopback
+from forwarder.http_server import HttpServer, QuietHandler, host_port_text
 from forwarder.sinkapi import Ok, Record, Reject, Result, Sink
 
 if TYPE_CHECKING:
@@ -266,12 +265,11 @@ class _ObservedOutbox:
 
 # -- the endpoint ----------------------------------------------------------------------------------
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     server: _Server
     protocol_version = "HTTP/1.1"
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the agent logs, not http.server
-        log.debug("telemetry %s: " + format, self.client_address[0], *args)
+    logger = log
+    log_label = "telemetry"
 
     def _send(self, status: int, body: bytes, content_type: str) -> None:
         self.send_response(status)
@@ -301,9 +299,7 @@ class _Handler(BaseHTTPRequestHandler):
     do_HEAD = do_GET
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
+class _Server(HttpServer):
     telemetry: Telemetry
 
 
@@ -339,7 +335,6 @@ class Telemetry(NullTelemetry):
         self._snap_lock = threading.Lock()
         self._snap: tuple[float, Mapping[str, Any]] | None = None
         self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
         readers: list[Any] = []
         self._registry: Any = None
         if config.listen is not None:
@@ -525,39 +520,30 @@ class Telemetry(NullTelemetry):
 
     @property
     def url(self) -> str | None:
-        if self._server is None:
-            return None
-        address, port = self._server.server_address[:2]
-        host = address.decode() if isinstance(address, bytes) else str(address)
-        return f"http://[{host}]:{port}" if ":" in str(host) else f"http://{host}:{port}"
+        return self._server.url() if self._server is not None else None
 
     def start(self) -> None:
         """Serve /metrics and /healthz if ``listen`` is set (the Azure Monitor reader runs on its own)."""
         if self.config.listen is None or self._server is not None:
             return
         host, port = self.config.listen
-        server_class = type("_Server6", (_Server,), {"address_family": socket.AF_INET6}) if ":" in host else _Server
         try:
-            server = server_class((host, port), _Handler)
+            server = _Server((host, port), _Handler)
         except OSError as exc:
-            raise ConfigError([f"telemetry.listen {host}:{port}: cannot listen: {exc.strerror or exc}"]) from None
+            raise ConfigError([f"telemetry.listen {host_port_text(host, port)}: cannot listen: "
+                               f"{exc.strerror or exc}"]) from None
         server.telemetry = self
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="telemetry-http", daemon=True)
-        self._thread.start()
-        level = logging.INFO if is_loopback(host) else logging.WARNING
-        log.log(level, "telemetry: /metrics and /healthz on %s%s", self.url,
-                "" if is_loopback(host) else " (not loopback: reachable from the network)")
+        server.start("telemetry-http", poll_interval=0.2)
+        loopback = server.loopback
+        log.log(logging.INFO if loopback else logging.WARNING, "telemetry: /metrics and /healthz on %s%s", self.url,
+                "" if loopback else " (not loopback: reachable from the network)")
 
     def stop(self) -> None:
         """Stop the endpoint, then flush and shut the readers (a last Azure Monitor export)."""
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None:
-            self._thread.join(5)
+            server.stop()
         try:
             self.provider.shutdown(timeout_millis=5_000)
         except Exception as exc:  # shutting down must not mask the agent's own exit

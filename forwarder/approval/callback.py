@@ -14,14 +14,12 @@ import json
 import logging
 import math
 import socket
-import socketserver
 import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Self, cast
 from urllib.parse import urlsplit
@@ -29,6 +27,7 @@ from urllib.parse import urlsplit
 from forwarder.approval.replay import ReplayCache
 from forwarder.approval.settings import CallbackSettings
 from forwarder.errors import ConfigError, ForwarderError, StateError
+from forwarder.http_server import HttpServer, QuietHandler, host_port_text, tls_server_context
 from forwarder.logutil import RateLimitedLog
 from forwarder.signing import SignatureError, verify
 
@@ -218,24 +217,12 @@ class _HeaderBudget:
         return line
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
+class _HTTPServer(HttpServer):
     request_queue_size = 64
     owner: CallbackServer
 
-    def server_bind(self) -> None:
-        # HTTPServer.server_bind does a reverse DNS lookup (getfqdn) that can hang for seconds.
-        socketserver.TCPServer.server_bind(self)
-        host, port = self.server_address[:2]
-        self.server_name, self.server_port = str(host), int(port)
-
     def process_request(self, request: Any, client_address: Any) -> None:
         self.owner._spawn(request, client_address)
-
-
-class _HTTPServer6(_HTTPServer):
-    address_family = socket.AF_INET6
 
 
 def _client_text(address: Any) -> str:
@@ -330,13 +317,14 @@ def _parse_event_ids(doc: Any) -> tuple[str, ...]:
     return tuple(ids)
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     """Serves exactly one request per connection, then closes it."""
 
     server: _HTTPServer
     protocol_version = "HTTP/1.1"
     server_version = "sefwd-callback"
-    sys_version = ""
+    logger = log
+    log_label = "approval callback"
 
     def __init__(self, request: Any, client_address: Any, server: _HTTPServer, conn: _Conn) -> None:
         self.conn = conn
@@ -379,9 +367,6 @@ class _Handler(BaseHTTPRequestHandler):
         # "100 Continue" only once the size and rate checks have passed.
         self.expect_continue = True
         return True
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("approval callback: %s " + format, self.client, *args)
 
     # -- the checks, in order ------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -536,7 +521,6 @@ class CallbackServer:
         self._threads_lock = threading.Lock()
         self._replay: ReplayCache | None = None
         self._server: _HTTPServer | None = None
-        self._serve_thread: threading.Thread | None = None
         self.url = ""
 
     # -- lifecycle ----------------------------------------------------------------------------------
@@ -547,28 +531,23 @@ class CallbackServer:
         # Entries older than twice the tolerance would be refused as stale anyway.
         self._replay = ReplayCache(self._replay_path, 2 * self.settings.tolerance, self._clock)
         host = self.settings.host
-        cls = _HTTPServer6 if ":" in host else _HTTPServer
         try:
             # The handler class is never used by socketserver: process_request hands connections to _spawn.
-            server = cls((host.strip("[]"), self.settings.port), BaseHTTPRequestHandler)
+            server = _HTTPServer((host, self.settings.port), _Handler)
         except OSError as exc:
             self._replay.close()
             raise ForwarderError(
-                f"approval callback cannot listen on {host}:{self.settings.port}: {exc.strerror or exc}"
+                f"approval callback cannot listen on {host_port_text(host, self.settings.port)}: "
+                f"{exc.strerror or exc}"
             ) from None
         server.owner = self
         self._server = server
         self._watchdog = _Watchdog()
         self._watchdog.start()
-        self._serve_thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": 0.05}, name="approval-callback", daemon=True
-        )
-        self._serve_thread.start()
-        port = server.server_address[1]
-        scheme = "https" if self._tls is not None else "http"
-        shown = f"[{host.strip('[]')}]" if ":" in host else host
-        self.url = f"{scheme}://{shown}:{port}"
-        log.info("approval callback listening on %s%s", self.url, PATH)
+        server.start("approval-callback", poll_interval=0.05)
+        self.url = server.url("https" if self._tls is not None else "http")
+        log.info("approval callback listening on %s%s%s", self.url, PATH,
+                 "" if server.loopback else " (not loopback: reachable from the network)")
         return self
 
     def stop(self) -> None:
@@ -576,8 +555,7 @@ class CallbackServer:
         server, self._server = self._server, None
         if server is None:
             return
-        server.shutdown()
-        server.server_close()
+        server.stop()
         self._watchdog.stop()
         deadline = time.monotonic() + self.settings.client_timeout + LINGER_SECONDS + 1.0
         with self._threads_lock:
@@ -595,13 +573,11 @@ class CallbackServer:
 
     # -- connections --------------------------------------------------------------------------------
     def _tls_context(self) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        assert self.settings.tls_cert is not None and self.settings.tls_key is not None
         try:
-            context.load_cert_chain(str(self.settings.tls_cert), str(self.settings.tls_key))
+            return tls_server_context(self.settings.tls_cert, self.settings.tls_key)
         except (OSError, ssl.SSLError) as exc:
             raise ConfigError([f"approval.callback: cannot load tls_cert/tls_key: {exc}"]) from None
-        return context
 
     def _take_slot(self, host: str) -> str | None:
         """Reserve a connection slot for ``host``: None if taken, else why not."""

@@ -5,7 +5,6 @@ rest of the file's; each message names the key (``approval.rules[2].duration_min
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 import re
 import ssl
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from forwarder.approval.settings import ACTIONS, CHANGE_KINDS, SCOPES, ApprovalConfig, CallbackSettings, Rule
+from forwarder.http_server import parse_listen, tls_server_context
 from forwarder.signing import SignatureError, parse_secret
 from forwarder.units import boolean, choice, duration, integer, size, suggest
 
@@ -43,7 +43,6 @@ MAX_CLIENT_TIMEOUT = 300.0
 MAX_EVENT_DURATION = 7 * 86400
 MAX_RESOURCES = 10_000
 MIN_TOLERANCE, MAX_TOLERANCE = 1.0, 3600.0
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 
 
 def _unknown_keys(table: Mapping[str, Any], known: tuple[str, ...], where: str, problems: list[str]) -> None:
@@ -176,45 +175,6 @@ def _parse_hooks(raw: Any, problems: list[str]) -> dict[str, tuple[str, ...] | s
     return hooks
 
 
-def parse_listen(value: Any) -> tuple[str, int]:
-    """``"host:port"`` or ``"[v6]:port"`` → (host, port); raises ValueError."""
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"expected \"host:port\" (for example \"127.0.0.1:8787\"), got {value!r}")
-    text = value.strip()
-    if text.startswith("["):
-        host, sep, rest = text[1:].partition("]")
-        if not sep or not rest.startswith(":"):
-            raise ValueError(f"expected \"[ipv6]:port\", got {value!r}")
-        port_text = rest[1:]
-        try:
-            if ipaddress.ip_address(host).version != 6:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"{host!r} in brackets is not an IPv6 address") from None
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep:
-            raise ValueError(f"missing the port: expected \"host:port\", got {value!r}")
-        if ":" in host:
-            raise ValueError(f"write an IPv6 address in brackets, as \"[::1]:8787\", got {value!r}")
-        if not host:
-            # Listening on every interface must be a visible decision, not an empty string.
-            raise ValueError(f"the host must be explicit (\"127.0.0.1:{port_text}\", or \"0.0.0.0:{port_text}\" "
-                             f"for every interface), got {value!r}")
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            if not _HOSTNAME.match(host):
-                raise ValueError(f"{host!r} is not an IP address or host name") from None
-    if not port_text.isdigit():
-        raise ValueError(f"the port must be a number, got {port_text!r}")
-    port = int(port_text)
-    # Port 0 asks the OS for a free port (tests); the bound port is logged.
-    if not 0 <= port <= 65535:
-        raise ValueError(f"the port must be 0-65535, got {port}")
-    return host, port
-
-
 def _resolve(path_text: str, base_dir: Path | None) -> Path:
     path = Path(os.path.expanduser(path_text))
     if not path.is_absolute():
@@ -330,9 +290,8 @@ def _parse_callback(raw: Any, env: Mapping[str, str], base_dir: Path | None,
 
 def _tls_problems(cert: Path, key: Path) -> list[str]:
     """Load the pair as the server will at start, so a wrong or mismatched file fails the check instead."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        context.load_cert_chain(str(cert), str(key))
+        tls_server_context(cert, key)
     except (OSError, ssl.SSLError) as exc:
         # The reason only (e.g. "KEY_VALUES_MISMATCH"): never the file's content.
         reason = getattr(exc, "reason", None) or type(exc).__name__

@@ -89,13 +89,6 @@ def register(subparsers: Any) -> None:
     sc.add_argument("name")
 
 
-def _split_listen(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ConfigError([f"--listen must be HOST:PORT, got {listen!r}"])
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 def _setup_logging(level_name: str | None) -> None:
     level = getattr(logging, (level_name or "info").upper(), logging.INFO)
     root = logging.getLogger()
@@ -111,13 +104,17 @@ def run(args: argparse.Namespace) -> int:
         return _ctl(args)
     from forwarder.emulator.scenario import builtin_scenarios, load_scenario
     from forwarder.emulator.server import Emulator
+    from forwarder.http_server import host_port_text, parse_listen
     from forwarder.loopback import is_loopback
 
     if args.list_scenarios:
         for name in builtin_scenarios():
             print(f"{name:26} {load_scenario(name).description}")
         return 0
-    host, port = _split_listen(args.listen)
+    try:
+        host, port = parse_listen(args.listen, bare_port_host="127.0.0.1")
+    except ValueError as exc:
+        raise ConfigError([f"--listen: {exc}"]) from None
     if not is_loopback(host) and not args.allow_remote:
         raise ConfigError([f"--listen {args.listen} is not a loopback address: add --allow-remote to expose "
                            "the emulator (it has no authentication) to the network"])
@@ -145,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             emulator.start()
         except OSError as exc:  # a busy port, a missing permission: one line, not a traceback
-            raise ForwarderError(f"cannot listen on {args.listen}: {exc.strerror or exc}") from None
+            raise ForwarderError(f"cannot listen on {host_port_text(host, port)}: {exc.strerror or exc}") from None
         try:
             print(f"IMDS emulator at {emulator.url} (default VM {emulator.default_vm}; "
                   f"others at {emulator.url}/vm/<name>; control API {emulator.url}/_emulator/state)",

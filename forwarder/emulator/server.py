@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Iterable
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -23,6 +22,7 @@ from forwarder.emulator.model import (
 )
 from forwarder.emulator.scenario import Scenario, load_scenario
 from forwarder.errors import ConfigError
+from forwarder.http_server import HttpServer, QuietHandler, host_port_text
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +49,11 @@ def _wants_close(values: list[str]) -> bool:
     return any(token.strip().lower() == "close" for value in values for token in value.split(","))
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
+class _Server(HttpServer):
     def __init__(self, addr: tuple[str, int], emulator: Emulator) -> None:
         self.emulator = emulator
         self.connections: set[socket.socket] = set()
         self.conn_lock = threading.Lock()
-        family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
-        self.address_family = family
         super().__init__(addr, _Handler)
 
     def close_connections(self) -> None:
@@ -72,10 +67,11 @@ class _Server(ThreadingHTTPServer):
                 pass
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     protocol_version = "HTTP/1.1"
     server_version = "sefwd-imds-emulator"
-    sys_version = ""
+    logger = log
+    log_label = "emulator"
     timeout = 60
     _count_ctx: tuple[str, str, str] | None = None  # (vm, method, endpoint) of the request being served
     _shaping: Fault | None = None  # a hostile-answer fault waiting for the normal 200 answer
@@ -95,9 +91,6 @@ class _Handler(BaseHTTPRequestHandler):
             super().finish()
         except OSError:
             pass
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("emulator %s %s", self.address_string(), format % args)
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -518,17 +511,14 @@ class Emulator:
         self.platform.on_fault_step = lambda spec: self.inject_fault(**spec)  # type: ignore[method-assign]
         self.stop_event = threading.Event()
         self._server: _Server | None = None
-        self._thread: threading.Thread | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> Emulator:
         """Bind, serve in a background thread and start the scenario's timeline."""
         self._server = _Server((self.host, self.port), self)
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="imds-emulator", daemon=True)
-        self._thread.start()
+        self.port = self._server.port
+        self._server.start("imds-emulator", poll_interval=0.1)
         self.platform.timeline.start()
         log.info("IMDS emulator listening on %s (default VM %s)", self.url, self.platform.default_vm)
         if self.scenario is not None:
@@ -540,11 +530,7 @@ class Emulator:
         self.stop_event.set()
         self.platform.timeline.close()
         if self._server is not None:
-            self._server.shutdown()
-            self._server.close_connections()
-            self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(5)
+            self._server.stop()
         self._server = None
 
     def __enter__(self) -> Emulator:
@@ -556,8 +542,7 @@ class Emulator:
     @property
     def url(self) -> str:
         """Base URL of the default VM (``http://127.0.0.1:PORT``); append ``/metadata/...``."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{host_port_text(self.host, self.port)}"
 
     def vm_url(self, name: str) -> str:
         """Base URL of one VM (``{url}/vm/<name>``); the VM is created if it does not exist yet."""

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import trustme
 
-from forwarder.approval.config import parse_approval, parse_listen
+from forwarder.approval.config import parse_approval
+from forwarder.http_server import parse_listen
 from forwarder.approval.policy import SEED_SAMPLE_RULES
 from forwarder.approval.settings import ApprovalConfig, CallbackSettings, Rule
 from forwarder.config import EXAMPLE_CONFIG
