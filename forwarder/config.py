@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from forwarder.approval.config import parse_approval
 from forwarder.approval.settings import ApprovalConfig
@@ -156,14 +155,6 @@ def _string(value: Any) -> str:
     return value
 
 
-def _endpoint(value: Any) -> str:
-    text = url_text(value)
-    validate_endpoint(text)  # the IMDS client's own rules: no userinfo, query, fragment, control characters
-    parts = urlsplit(text)
-    # The client appends /metadata/...; a trailing slash would double it.
-    return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
-
-
 def _api_version(value: Any) -> str:
     text = _string(value).strip()
     if text not in SUPPORTED_API_VERSIONS:
@@ -243,7 +234,7 @@ class _Key:
 DAY = 86400.0
 SECTIONS: dict[str, dict[str, _Key]] = {
     "imds": {
-        "endpoint": _Key("http://169.254.169.254", _endpoint),
+        "endpoint": _Key("http://169.254.169.254", validate_endpoint),  # the IMDS client's own rules
         "api_version": _Key("2020-07-01", _api_version),
         "poll_interval": _Key("1s", _poll_interval),
         "timeout": _Key("5s", duration(0.0, 60.0, low_inclusive=False)),

@@ -34,6 +34,7 @@ import httptools
 from forwarder import __version__
 from forwarder.errors import ConfigError, ImdsError
 from forwarder.retry import Backoff, is_retryable_status, parse_retry_after
+from forwarder.units import url_text
 
 if TYPE_CHECKING:
     import ssl
@@ -68,7 +69,6 @@ RETRY_AFTER_CAP = 5.0
 IMDS_RATE_LIMIT = 5
 REQUEST_BUDGET = 4
 BUDGET_WINDOW = 1.0
-_CONTROL = frozenset(chr(c) for c in (*range(0x21), 0x7F))  # control characters and spaces
 
 
 @dataclass(frozen=True)
@@ -86,16 +86,17 @@ def _snippet(body: bytes) -> str:
     return text if len(text) <= BODY_SNIPPET else text[:BODY_SNIPPET] + "…"
 
 
-def validate_endpoint(endpoint: str) -> str:
+def validate_endpoint(endpoint: Any) -> str:
     """The IMDS base URL ``scheme://host[:port][/prefix]``, or ValueError saying what is wrong with it.
 
-    Refused: a scheme other than http/https, no host, a bad port, userinfo (it would land in the
-    ``Host`` header), a query or fragment (IMDS rejects duplicate query parameters, and the client
-    adds ``api-version`` itself) and control characters or spaces (request splitting).
+    The one owner of these rules: ``[imds] endpoint`` is parsed with it and the client checks
+    what it is given with it. Refused: a non-string, a scheme other than http/https, no host, a
+    bad port, userinfo (it would land in the ``Host`` header), a query or fragment (IMDS rejects
+    duplicate query parameters, and the client adds ``api-version`` itself) and control characters
+    or spaces (request splitting). Normalized: surrounding whitespace, a trailing ``/`` and a
+    trailing ``/metadata`` (the client appends ``/metadata/...``) are dropped.
     """
-    text = endpoint.strip()
-    if any(ch in _CONTROL for ch in text):
-        raise ValueError(f"must not contain spaces or control characters, got {endpoint!r}")
+    text = url_text(endpoint)
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"must be an http:// or https:// URL with a host, got {endpoint!r}")

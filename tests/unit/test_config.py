@@ -26,6 +26,7 @@ from forwarder.config import (
     parse_config,
 )
 from forwarder.errors import ConfigError
+from forwarder.imds import ImdsClient
 
 HAVE_STDOUT_SINK = importlib.util.find_spec("sinks.stdout") is not None
 HAVE_FILE_SINK = importlib.util.find_spec("sinks.file") is not None
@@ -327,6 +328,27 @@ def test_bad_compute_api_version() -> None:
 def test_bad_endpoints(endpoint: str) -> None:
     (problem,) = problems_of({"imds": {"endpoint": endpoint}})
     assert problem.startswith("imds.endpoint:")
+
+
+@pytest.mark.parametrize("endpoint, base", [
+    ("http://169.254.169.254", "http://169.254.169.254"),
+    (" http://127.0.0.1:8080/vm/a/metadata/ ", "http://127.0.0.1:8080/vm/a"),
+    ("https://[::1]:9/x/", "https://[::1]:9/x"),
+])
+def test_config_and_client_share_one_endpoint_rule(endpoint: str, base: str) -> None:
+    # One function (imds.validate_endpoint) owns the rule: the config holds what the client uses.
+    config = parse_config({"imds": {"endpoint": endpoint}}, {}, "x")
+    assert config.imds.endpoint == base
+    with ImdsClient.from_config(config.imds) as client:
+        assert client.endpoint == base
+
+
+@pytest.mark.parametrize("endpoint", ["http://h\u0085/", "http://admin:pw@h", "http://h/#x", 5])
+def test_an_endpoint_the_config_refuses_the_client_refuses(endpoint: Any) -> None:
+    (problem,) = problems_of({"imds": {"endpoint": endpoint}})
+    assert problem.startswith("imds.endpoint:")
+    with pytest.raises(ConfigError, match="imds endpoint"):
+        ImdsClient(endpoint, "2020-07-01")
 
 
 def test_bad_log_level() -> None:
