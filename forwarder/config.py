@@ -24,8 +24,8 @@ from forwarder.errors import ConfigError
 from forwarder.http_server import parse_listen
 from forwarder.logutil import redact
 from forwarder.units import (
-    boolean, choice, control_characters, duration, format_duration, parse_duration, size, suggest,
-    url_text,
+    boolean, choice, control_characters, duration, format_duration, parse_duration, parse_labelled, size,
+    suggest, url_text,
 )
 from forwarder.imds import MAX_BODY, MAX_BODY_LIMIT, MIN_BODY_LIMIT, check_max_body, validate_endpoint
 
@@ -346,15 +346,9 @@ def _parse_sections(
                 raw[section][key] = (value, f"environment {var}")
     parsed: dict[str, dict[str, Any]] = {}
     for section, keys in SECTIONS.items():
-        parsed[section] = {}
-        for key, spec in keys.items():
-            value, label = raw[section].get(key, (spec.default, "default"))
-            if value is None:
-                continue
-            try:
-                parsed[section][key] = spec.parse(value)
-            except ValueError as exc:
-                problems.append(f"{label}: {exc}")
+        given = {key: raw[section].get(key, (spec.default, "default")) for key, spec in keys.items()}
+        parsed[section] = parse_labelled({key: spec.parse for key, spec in keys.items()},
+                                         {key: pair for key, pair in given.items() if pair[0] is not None}, problems)
     for section, low, high, show in ORDERED_KEYS:
         values = parsed[section]
         if low in values and high in values and values[low] > values[high]:

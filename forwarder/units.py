@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 # Digits, an optional fraction, an optional unit: no sign, no exponent, no nan/inf spellings.
@@ -168,3 +168,27 @@ def url_text(value: Any) -> str:
         raise ValueError("the URL contains control characters or spaces (CR, LF, TAB, NUL...); "
                          "remove them")
     return text
+
+
+# -- tables: many keys at once, every problem collected --------------------------------------------
+
+def parse_labelled(parsers: Mapping[str, Callable[[Any], Any]], raw: Mapping[str, tuple[Any, str]],
+                   problems: list[str]) -> dict[str, Any]:
+    """Parse each ``key: (value, label)`` of ``raw`` with ``parsers[key]``.
+
+    Returns the values that parsed; each ValueError is appended to ``problems`` as
+    ``"{label}: {message}"`` (the label says where the value came from: a key or a variable).
+    """
+    values: dict[str, Any] = {}
+    for key, (value, label) in raw.items():
+        try:
+            values[key] = parsers[key](value)
+        except ValueError as exc:
+            problems.append(f"{label}: {exc}")
+    return values
+
+
+def parse_table(parsers: Mapping[str, Callable[[Any], Any]], table: Mapping[str, Any], where: str,
+                problems: list[str]) -> dict[str, Any]:
+    """The keys of ``parsers`` present in ``table``, parsed; problems read ``"{where}.{key}: ..."``."""
+    return parse_labelled(parsers, {key: (table[key], f"{where}.{key}") for key in parsers if key in table}, problems)

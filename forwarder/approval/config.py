@@ -15,7 +15,7 @@ from typing import Any
 from forwarder.approval.settings import ACTIONS, CHANGE_KINDS, SCOPES, ApprovalConfig, CallbackSettings, Rule
 from forwarder.http_server import parse_listen, tls_server_context
 from forwarder.signing import SignatureError, parse_secret
-from forwarder.units import boolean, choice, duration, integer, size, suggest
+from forwarder.units import boolean, choice, duration, integer, parse_labelled, parse_table, size, suggest
 
 ENV_PREFIX = "SEFWD_APPROVAL_"
 # The keys of each table, in the order the example config shows them.
@@ -103,13 +103,7 @@ def _parse_rule(index: int, entry: Any, have_hooks: bool, problems: list[str]) -
         return None
     before = len(problems)
     _unknown_keys(entry, RULE_KEYS, where, problems)
-    values: dict[str, Any] = {}
-    for key, parse in _RULE_PARSERS.items():
-        if key in entry:
-            try:
-                values[key] = parse(entry[key])
-            except ValueError as exc:
-                problems.append(f"{where}.{key}: {exc}")
+    values = parse_table(_RULE_PARSERS, entry, where, problems)
     name = entry.get("name", f"rules[{index}]")
     if not isinstance(name, str) or not name.strip():
         problems.append(f"{where}.name: expected a non-empty string, got {name!r}")
@@ -264,22 +258,14 @@ def _parse_callback(raw: Any, env: Mapping[str, str], base_dir: Path | None,
             values["host"], values["port"] = parse_listen(raw["listen"])
         except ValueError as exc:
             problems.append(f"approval.callback.listen: {exc}")
-    for key, parse in _CALLBACK_PARSERS.items():
-        if key in raw:
-            try:
-                values[key] = parse(raw[key])
-            except ValueError as exc:
-                problems.append(f"approval.callback.{key}: {exc}")
+    values.update(parse_table(_CALLBACK_PARSERS, raw, "approval.callback", problems))
     has_cert, has_key = raw.get("tls_cert") is not None, raw.get("tls_key") is not None
     if has_cert != has_key:
         missing, given = ("tls_key", "tls_cert") if has_cert else ("tls_cert", "tls_key")
         problems.append(f"approval.callback.{missing}: required with {given} (set both or neither)")
-    for key in ("tls_cert", "tls_key"):
-        if raw.get(key) is not None:
-            try:
-                values[key] = _readable_file(raw[key], base_dir)
-            except ValueError as exc:
-                problems.append(f"approval.callback.{key}: {exc}")
+    tls_files = {key: lambda value: _readable_file(value, base_dir) for key in ("tls_cert", "tls_key")}
+    present = {key: value for key, value in raw.items() if value is not None}
+    values.update(parse_table(tls_files, present, "approval.callback", problems))
     if "tls_cert" in values and "tls_key" in values:
         problems.extend(_tls_problems(values["tls_cert"], values["tls_key"]))
     keys = _load_keys(raw, env, base_dir, problems)
@@ -331,12 +317,7 @@ def parse_approval(
                             f"{suggest(var, names)}")
         elif env[var] != "":  # empty means unset, as elsewhere
             flat[key] = (env[var], f"environment {var}")
-    values: dict[str, Any] = {}
-    for key, (value, label) in flat.items():
-        try:
-            values[key] = _FLAT_PARSERS[key](value)
-        except ValueError as exc:
-            problems.append(f"{label}: {exc}")
+    values = parse_labelled(_FLAT_PARSERS, flat, problems)
     hooks = _parse_hooks(raw["hooks"], problems) if "hooks" in raw else {}
     # An invalid [approval.hooks] is reported on its own; do not pile after_hooks problems on it.
     have_hooks = bool(hooks) or bool(raw.get("hooks"))
