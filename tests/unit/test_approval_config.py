@@ -11,7 +11,6 @@ import pytest
 import trustme
 
 from forwarder.approval.config import parse_approval
-from forwarder.http_server import parse_listen
 from forwarder.approval.policy import SEED_SAMPLE_RULES
 from forwarder.approval.settings import ApprovalConfig, CallbackSettings, Rule
 from forwarder.config import EXAMPLE_CONFIG
@@ -257,19 +256,6 @@ def test_callback_every_key(tmp_path: Path) -> None:
     assert cb is not None
     assert (cb.host, cb.port, cb.tls_cert, cb.tls_key) == ("::1", 0, tmp_path / "tls.crt", tmp_path / "tls.key")
     assert (cb.max_body, cb.rate_limit, cb.client_timeout, cb.tolerance) == (1024, 5, 2.0, 60.0)
-
-
-@pytest.mark.parametrize("text, expected", [
-    ("127.0.0.1:8787", ("127.0.0.1", 8787)),
-    ("0.0.0.0:443", ("0.0.0.0", 443)),
-    ("[::1]:8787", ("::1", 8787)),
-    ("[::]:1", ("::", 1)),
-    ("localhost:8787", ("localhost", 8787)),
-    ("vm-0.internal.cloudapp.net:65535", ("vm-0.internal.cloudapp.net", 65535)),
-    (" 10.0.0.4:80 ", ("10.0.0.4", 80)),
-])
-def test_listen_forms(text: str, expected: tuple[str, int]) -> None:
-    assert parse_listen(text) == expected
 
 
 def test_tls_files_must_be_readable_files(tmp_path: Path) -> None:

@@ -1,4 +1,7 @@
-"""The one listen-address parser of the callback, the telemetry endpoint and the emulator."""
+"""The one listen-address parser of the callback, the telemetry endpoint and the emulator.
+
+(The callback's accepted forms moved here from test_approval_config.py.)
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -11,12 +14,14 @@ from forwarder.http_server import host_port_text, parse_listen
 @pytest.mark.parametrize("text, expected", [
     ("127.0.0.1:8787", ("127.0.0.1", 8787)),
     ("0.0.0.0:0", ("0.0.0.0", 0)),
-    (" 10.0.0.4:65535 ", ("10.0.0.4", 65535)),
+    ("0.0.0.0:443", ("0.0.0.0", 443)),
+    (" 10.0.0.4:80 ", ("10.0.0.4", 80)),
+    ("10.0.0.4:65535", ("10.0.0.4", 65535)),
     ("[::1]:8787", ("::1", 8787)),
     ("[::]:1", ("::", 1)),
     ("[fe80::1]:80", ("fe80::1", 80)),
     ("localhost:8787", ("localhost", 8787)),
-    ("vm-0.internal.cloudapp.net:443", ("vm-0.internal.cloudapp.net", 443)),
+    ("vm-0.internal.cloudapp.net:65535", ("vm-0.internal.cloudapp.net", 65535)),
     ("host_1.example.:80", ("host_1.example.", 80)),
 ])
 def test_accepted_forms(text: str, expected: tuple[str, int]) -> None:
