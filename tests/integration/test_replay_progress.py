@@ -16,7 +16,7 @@ import orjson
 
 from forwarder.store import Store
 from tests.agent import ROOT, write_config
-from tests.peers.webhook_receiver import WebhookReceiver
+from benchmarks.peers.webhook_receiver import WebhookReceiver
 
 COUNT = 5
 
