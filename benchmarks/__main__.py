@@ -1,4 +1,5 @@
-"""`python -m benchmarks [--quick] [--only NAME]`: run the benchmarks, print a table, write results JSON and plots."""
+"""`python -m benchmarks [--quick] [--only NAME] [--record]`: run the benchmarks, print a table, write results JSON
+and plots (to the ignored benchmarks/results/tmp/, or with --record to the committed benchmarks/results/)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from benchmarks.common import MODES, RESULTS, machine_info
+from benchmarks.common import MODES, machine_info, results_file
 from benchmarks.plots import draw
 
 BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send")
@@ -134,9 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, only checks that everything runs")
     parser.add_argument("--only", action="append", choices=BENCHMARKS, metavar="NAME",
                         help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
-    parser.add_argument("--out", type=Path, default=RESULTS / "latest.json", help="results file (default %(default)s)")
-    parser.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots (written beside --out)")
+    parser.add_argument("--out", type=Path, help="results file (default benchmarks/results/tmp/latest.json, ignored by git)")
+    parser.add_argument("--record", action="store_true",
+                        help="rewrite the committed benchmarks/results/latest.json and its plots (a full or --quick run of every benchmark)")
+    parser.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots (written beside the results file)")
     args = parser.parse_args(argv)
+    args.out = results_file(parser, "latest.json", record=args.record, out=args.out, smoke=args.smoke, partial=bool(args.only))
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)  # expected warnings (fresh cursors, http) are noise here
 
     sizes = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]

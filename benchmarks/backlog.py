@@ -2,7 +2,6 @@
 agent's dispatcher on the SQLite store, next to the same loop over persist-queue."""
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -10,15 +9,14 @@ from typing import Any
 
 from persistqueue import SQLiteQueue
 
-from benchmarks.common import ROOT, Sizes, goal, result, sample_records, scratch_dir
+from benchmarks.common import Sizes, goal, result, sample_records, scratch_dir
 from forwarder.dispatcher import Dispatcher
 from forwarder.retry import Backoff
 from forwarder.sinkapi import Ok, Record, SinkContext
 from forwarder.store import Store
 from sinks.webhook import WebhookSink
 
-sys.path.insert(0, str(ROOT))  # tests.peers is not an installed package
-from tests.peers.webhook_receiver import WebhookReceiver  # noqa: E402
+from benchmarks.peers.webhook_receiver import WebhookReceiver
 
 GOAL_S = 30.0
 APPEND_BATCH = 1000

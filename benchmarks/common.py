@@ -1,6 +1,7 @@
 """Shared pieces: sizes per mode, realistic records, machine info, result shaping."""
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import tempfile
@@ -16,7 +17,8 @@ from forwarder.sinkapi import Record
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-RESULTS = HERE / "results"
+RESULTS = HERE / "results"  # committed: written only by an explicit --record
+SCRATCH = RESULTS / "tmp"  # ignored by git: every other run's results, plots and scratch files
 
 
 @dataclass(frozen=True)
@@ -100,10 +102,33 @@ def machine_info() -> dict[str, Any]:
 @contextmanager
 def scratch_dir(prefix: str) -> Iterator[Path]:
     """A temporary directory on the same disk as the results (so fsync hits that disk)."""
-    base = RESULTS / "tmp"
+    base = SCRATCH
     base.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=prefix, dir=base) as d:
         yield Path(d)
+
+
+def results_file(parser: argparse.ArgumentParser, name: str, *, record: bool, out: Path | None, smoke: bool,
+                 partial: bool = False) -> Path:
+    """Where a run writes its results document (plots go beside it).
+
+    By default into the ignored ``results/tmp/``; only ``--record`` rewrites the committed
+    ``results/NAME``, and only for a complete, meaningful run (not ``--smoke``, not ``--only``).
+    ``--out`` may point anywhere except the committed folder.
+    """
+    if record:
+        if out is not None:
+            parser.error("--record writes the committed results; it does not take --out")
+        if smoke:
+            parser.error("--record with --smoke would commit figures that mean nothing")
+        if partial:
+            parser.error("--record needs every benchmark (without --only): it replaces the committed results")
+        return RESULTS / name
+    if out is None:
+        return SCRATCH / name
+    if out.resolve().parent == RESULTS.resolve():
+        parser.error(f"{out} is in the committed results folder: use --record to rewrite it")
+    return out
 
 
 def cpu_seconds(pid: int) -> float:

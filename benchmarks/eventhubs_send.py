@@ -1,7 +1,7 @@
 """CPU per record of the eventhubs sink, today's beside the thread-per-send one it replaced, in one run.
 
 Both sinks send through the agent's delivery path (store + dispatcher, in this process) to the
-Node.js Event Hubs peer (tests/peers/eventhubs) over TLS as the service speaks it: AMQPS and AMQP
+Node.js Event Hubs peer (benchmarks/peers/eventhubs) over TLS as the service speaks it: AMQPS and AMQP
 over secure WebSocket, verified against the peer's test CA. Two shapes per transport:
 
 - ``burst``: records appended as fast as the agent can write them (a backlog after an outage, or
@@ -30,14 +30,13 @@ from typing import Any
 
 import orjson
 
-from benchmarks.common import MODES, RESULTS, ROOT, Sizes, goal, machine_info, result, sample_event, scratch_dir
+from benchmarks.common import MODES, Sizes, goal, machine_info, result, results_file, sample_event, scratch_dir
 from forwarder.dispatcher import Dispatcher
 from forwarder.store import Store
 from forwarder.retry import Backoff
 from forwarder.sinkapi import Ok, Record, SinkContext
 
-sys.path.insert(0, str(ROOT))  # tests.peers is not an installed package
-from tests.peers.eventhubs_peer import EventHubsPeer  # noqa: E402
+from benchmarks.peers.eventhubs_peer import EventHubsPeer
 
 GOAL_MS = 1.0  # CPU per record in a burst, amortized
 CONN_ENV = "BENCH_EH_CONN"
@@ -160,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.eventhubs_send", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one round, smaller bursts")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, only checks that everything runs")
-    parser.add_argument("--out", type=Path, default=RESULTS / "eventhubs.json", help="results file (default %(default)s)")
+    parser.add_argument("--out", type=Path, help="results file (default benchmarks/results/tmp/eventhubs.json, ignored by git)")
+    parser.add_argument("--record", action="store_true", help="rewrite the committed benchmarks/results/eventhubs.json")
     args = parser.parse_args(argv)
+    args.out = results_file(parser, "eventhubs.json", record=args.record, out=args.out, smoke=args.smoke)
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
     sizes = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     started = time.monotonic()

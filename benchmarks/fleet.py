@@ -2,7 +2,7 @@
 
 Every agent is a `python -m forwarder run` subprocess on its own emulator VM path (one in-process
 IMDS emulator serves them all, default rate limit), polling at 1 s, with one `eventhubs` sink
-pointed at the Node.js AMQP peer (tests/peers/eventhubs). Agents start in waves so start-up does
+pointed at the Node.js AMQP peer (benchmarks/peers/eventhubs). Agents start in waves so start-up does
 not starve the machine. At steady state (no document change) the agents' CPU is read from
 schedstat over a window; then one Freeze event naming every VM is scheduled, started and completed,
 and a consumer reading the hub deduplicates by `eventkey`: it must see one logical event per change
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -24,11 +23,10 @@ import orjson
 import psutil
 
 from benchmarks.agents import FirstGets, spawn_agent, stop_agents
-from benchmarks.common import ROOT, Sizes, cpu_seconds, goal, result, scratch_dir
+from benchmarks.common import Sizes, cpu_seconds, goal, result, scratch_dir
 from forwarder.emulator import Emulator
 
-sys.path.insert(0, str(ROOT))  # tests.peers is not an installed package
-from tests.peers.eventhubs_peer import EventHubsPeer  # noqa: E402
+from benchmarks.peers.eventhubs_peer import EventHubsPeer
 
 CPU_GOAL_PERCENT = 25.0  # of all cores together, the agents at steady state
 POLL_INTERVAL_S = 1.0
@@ -141,7 +139,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
     why = EventHubsPeer.available()
     if why is not None:
         raise RuntimeError(f"the fleet benchmark needs the Event Hubs peer: {why} "
-                           "(sh tests/peers/eventhubs/install.sh)")
+                           "(sh benchmarks/peers/eventhubs/install.sh)")
     ncpu = os.cpu_count() or 1
     vms = [f"fleet-vm-{i:03d}" for i in range(plan.agents)]
     agents: list[_Agent] = []

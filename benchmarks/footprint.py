@@ -4,7 +4,6 @@ from __future__ import annotations
 import re
 import sqlite3
 import statistics
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -17,14 +16,13 @@ import orjson
 import psutil
 
 from benchmarks.agents import FirstGets, spawn_agent, stop_agents
-from benchmarks.common import ROOT, Sizes, goal, result, scratch_dir
+from benchmarks.common import Sizes, goal, result, scratch_dir
 from forwarder.emulator import Emulator
 
-sys.path.insert(0, str(ROOT))  # tests.peers is not an installed package
-from tests.peers.appinsights_peer import AppInsightsPeer  # noqa: E402
-from tests.peers.eventhubs_peer import EventHubsPeer  # noqa: E402
-from tests.peers.logs_ingestion import LogsIngestionPeer, emulator_tokens  # noqa: E402
-from tests.peers.webhook_receiver import WebhookReceiver  # noqa: E402
+from benchmarks.peers.appinsights_peer import AppInsightsPeer
+from benchmarks.peers.eventhubs_peer import EventHubsPeer
+from benchmarks.peers.logs_ingestion import LogsIngestionPeer, emulator_tokens
+from benchmarks.peers.webhook_receiver import WebhookReceiver
 
 RSS_GOAL_MIB = {"stdout_only": 40.0, "all_sinks": 120.0}
 HOSTILE_RSS_GOAL_MIB = 64.0  # a stdout-only agent while IMDS serves hostile documents (issue 11)

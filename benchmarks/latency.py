@@ -20,7 +20,6 @@ from __future__ import annotations
 import random
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -31,12 +30,11 @@ from typing import IO, Any
 import orjson
 
 from benchmarks.agents import spawn_agent, stop_agents
-from benchmarks.common import ROOT, Sizes, goal, result, scratch_dir
+from benchmarks.common import Sizes, goal, result, scratch_dir
 from forwarder.emulator import Emulator
 from forwarder.signing import generate_secret
 
-sys.path.insert(0, str(ROOT))  # tests.peers is not an installed package
-from tests.peers.webhook_receiver import ReceivedRequest, WebhookReceiver  # noqa: E402
+from benchmarks.peers.webhook_receiver import ReceivedRequest, WebhookReceiver
 
 PROCESSING_GOAL_MS = 15.0
 START_TIMEOUT_S = 60.0

@@ -1,4 +1,4 @@
-"""PNG plots of a results document: latency distributions and footprints (for the README)."""
+"""PNG plots of a results document: latency distributions and footprints (for docs/performance.md)."""
 from __future__ import annotations
 
 from pathlib import Path

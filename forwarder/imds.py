@@ -4,7 +4,7 @@ It writes HTTP/1.1 requests itself over kept-alive sockets and parses answers wi
 not ``requests``: an unchanged poll is the agent's whole steady-state cost, and ``requests`` spent
 about 1.4 ms of CPU per GET (``http.client``'s email-based header parsing alone 0.15 ms; httptools
 0.06 ms in all), plus 18 MiB and 140 ms of start-up on import, on machinery IMDS never needs:
-proxies, cookies, redirects, auth, content decoding (see the README's performance section).
+proxies, cookies, redirects, auth, content decoding (see docs/performance.md).
 ``http.client`` would not be safer either: it has no deadline per request (its timeout is per
 ``recv``), returns a ``103`` as the answer and reads bodies of any size.
 

@@ -6,6 +6,9 @@ import random
 import sys
 import threading
 import time
+from typing import NoReturn
+
+from tqdm import tqdm
 
 from forwarder.config import Config
 from forwarder.errors import ForwarderError
@@ -14,14 +17,11 @@ from forwarder.sinkapi import Ok, Reject, Retry, SinkContext, load_sink_factory
 from forwarder.store import Store
 
 
-def _progress(done: int, total: int, start: float) -> None:
-    if not sys.stderr.isatty():
-        return
-    width = 30
-    filled = int(width * done / total) if total else width
-    rate = done / max(1e-9, time.monotonic() - start)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} ({rate:.0f}/s)")
-    sys.stderr.flush()
+def _progress_bar(total: int) -> tqdm[NoReturn]:
+    """A progress bar on stderr, drawn only when stderr is a terminal: piped or redirected, the
+    replay prints nothing but its summary line (stdout may carry records, e.g. the stdout sink)."""
+    return tqdm(total=total, unit="record", file=sys.stderr, disable=not sys.stderr.isatty(),
+                leave=False, dynamic_ncols=True)
 
 
 def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
@@ -46,9 +46,9 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
     )
     backoff, rng = Backoff(initial=0.5, maximum=10.0), random.Random()
     deadline = time.monotonic() + timeout
-    start = time.monotonic()
     sent = failed = 0
     batch_size = max(1, sink.max_batch)
+    bar = _progress_bar(len(letters))
     try:
         for i in range(0, len(letters), batch_size):
             chunk = letters[i : i + batch_size]
@@ -67,16 +67,15 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
                     break
                 stop.wait(min(backoff.delay(attempt, rng, result.delay), max(0.0, deadline - time.monotonic())))
                 attempt += 1
-            _progress(sent + failed, len(letters), start)
+            bar.update(len(chunk))
     except KeyboardInterrupt:
         failed = len(letters) - sent  # the rest are still dead letters: nothing was removed early
     except Exception as exc:  # a store fault or a sink that raises: what was not delivered stays
         print(f"sefwd: replay stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
         failed = len(letters) - sent
     finally:
+        bar.close()
         sink.close()
         store.close()
-        if sys.stderr.isatty():
-            sys.stderr.write("\n")
     print(f"sink {sink_name}: replayed {sent}, still dead {failed}", file=sys.stderr)
     return 0 if failed == 0 else 1

@@ -34,7 +34,7 @@ class StatusReporter:
     at least every ``refresh`` seconds so the last-poll time stays current.
 
     A rewrite costs about a millisecond of CPU (serialize, write, rename); doing it every couple of
-    seconds on an idle agent cost more than the polls themselves (README: performance).
+    seconds on an idle agent cost more than the polls themselves (docs/performance.md).
     """
 
     def __init__(self, store: Store, snapshot: Callable[[], dict[str, Any]], stop: threading.Event,

@@ -14,7 +14,7 @@ import orjson
 
 from forwarder.emulator import Emulator
 from tests.agent import AgentProcess, read_jsonl, wait_until
-from tests.peers.webhook_receiver import Reply, WebhookReceiver
+from benchmarks.peers.webhook_receiver import Reply, WebhookReceiver
 
 EVENTS = 110
 KILLS = 22

@@ -8,7 +8,7 @@ pytest.importorskip("azure.eventhub", reason="the eventhubs extra is not install
 
 from benchmarks import fleet  # noqa: E402
 from benchmarks.common import MODES  # noqa: E402
-from tests.peers.eventhubs_peer import EventHubsPeer  # noqa: E402
+from benchmarks.peers.eventhubs_peer import EventHubsPeer  # noqa: E402
 
 
 @pytest.mark.skipif(EventHubsPeer.available() is not None, reason=str(EventHubsPeer.available()))

@@ -1,15 +1,19 @@
-"""`python -m benchmarks --smoke --only NAME` runs and writes every figure (values are not judged here)."""
+"""`python -m benchmarks --smoke --only NAME` runs and writes every figure (values are not judged here); a run
+writes to the ignored benchmarks/results/tmp/ unless told `--record`, and never needs the test suite."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import orjson
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+COMMITTED = ("latest.json", "eventhubs.json", "latency.png", "footprint.png")
 
 pytest.importorskip("persistqueue", reason="the bench extra is not installed: pip install -e '.[bench]'")
 
@@ -34,6 +38,49 @@ def test_journal_benchmark_writes_its_figures(tmp_path: Path) -> None:
     assert journal["goals"] and all(isinstance(g["pass"], bool) for g in journal["goals"])
     assert journal["pass"] == all(g["pass"] for g in journal["goals"])
     assert "journal" in proc.stdout
+
+
+def _committed() -> dict[str, bytes]:
+    return {name: (RESULTS / name).read_bytes() for name in COMMITTED if (RESULTS / name).exists()}
+
+
+def test_a_run_writes_scratch_results_and_only_record_rewrites_the_committed_ones() -> None:
+    before = _committed()
+    assert set(before) == set(COMMITTED)
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--only", "journal"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode in (0, 1), proc.stderr
+    scratch = RESULTS / "tmp" / "latest.json"
+    assert scratch.stat().st_mtime >= started - 1 and str(scratch) in proc.stdout
+    assert orjson.loads(scratch.read_bytes())["smoke"] is True
+    refused = [
+        ["benchmarks", "--smoke", "--record"],                      # figures that mean nothing
+        ["benchmarks", "--quick", "--only", "journal", "--record"],  # would drop the other benchmarks' figures
+        ["benchmarks", "--record", "--out", str(RESULTS / "x.json")],
+        ["benchmarks", "--smoke", "--only", "journal", "--out", str(RESULTS / "latest.json")],
+        ["benchmarks.eventhubs_send", "--smoke", "--record"],
+        ["benchmarks.eventhubs_send", "--smoke", "--out", str(RESULTS / "eventhubs.json")],
+    ]
+    for args in refused:
+        done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and "error:" in done.stderr, (args, done.stderr)
+        assert "running" not in done.stderr, args  # refused before anything ran
+    assert _committed() == before, "only an explicit --record rewrites benchmarks/results/"
+
+
+def test_benchmarks_import_no_test_module() -> None:
+    """`pip install -e .[bench]` is enough: no benchmark imports tests/ (their peers live in benchmarks/peers)."""
+    # Every module but seed_loop, a script that reads argv when imported.
+    code = ("import importlib, sys\n"
+            "from benchmarks.__main__ import BENCHMARKS\n"
+            "for name in (*BENCHMARKS, '__main__', 'plots', 'agents', 'common', 'eventhubs_before'):\n"
+            "    importlib.import_module(f'benchmarks.{name}')\n"
+            "print(sorted(m for m in sys.modules if m == 'tests' or m.startswith('tests.')))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    assert not [p for p in (ROOT / "benchmarks").rglob("*.py") if "sys.path" in p.read_text()]
 
 
 def test_footprint_benchmark_measures_both_configurations_after_every_sink_delivered(tmp_path: Path) -> None:
@@ -70,7 +117,7 @@ def test_footprint_benchmark_measures_both_configurations_after_every_sink_deliv
 def test_quick_suite_runs_every_benchmark_writes_the_summary_and_draws_the_plots(tmp_path: Path) -> None:
     """What CI runs as the benchmark smoke test: `--quick` end to end (figures are not judged here)."""
     from benchmarks.__main__ import BENCHMARKS, SUMMARY
-    from tests.peers.eventhubs_peer import EventHubsPeer
+    from benchmarks.peers.eventhubs_peer import EventHubsPeer
 
     why = EventHubsPeer.available()
     if why is not None:

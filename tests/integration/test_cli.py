@@ -11,7 +11,7 @@ import orjson
 from forwarder.emulator import Emulator
 from forwarder.store import Store
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
-from tests.peers.webhook_receiver import WebhookReceiver
+from benchmarks.peers.webhook_receiver import WebhookReceiver
 
 
 def sefwd(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -70,7 +70,7 @@ def test_stdout_file_webhook_agent_imports_no_azure_sdk_and_no_opentelemetry(tmp
 
 def test_polling_itself_never_loads_requests(tmp_path):
     # requests costs ~18 MiB and ~140 ms at start and was most of the CPU of an unchanged poll; the
-    # IMDS client does without it, and only the webhook sink brings it in (README: performance).
+    # IMDS client does without it, and only the webhook sink brings it in (docs/performance.md).
     modules = _modules_of_a_run(tmp_path, with_webhook=False)
     assert [m for m in modules if m.split(".")[0] in ("requests", "urllib3")] == []
 

@@ -7,7 +7,7 @@ import time
 
 from forwarder.emulator import Emulator
 from tests.agent import AgentProcess, read_jsonl, wait_until
-from tests.peers.webhook_receiver import Reply, WebhookReceiver
+from benchmarks.peers.webhook_receiver import Reply, WebhookReceiver
 
 
 

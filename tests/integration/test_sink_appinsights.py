@@ -14,7 +14,7 @@ from forwarder.emulator import Emulator
 from forwarder.sinkapi import Ok, Record, Reject, Retry, SinkContext
 from sinks.appinsights import AppInsightsSink, event_properties
 from tests.agent import ROOT, AgentProcess, dead_letters, read_jsonl, wait_until, write_config
-from tests.peers.appinsights_peer import IKEY, AppInsightsPeer, Answer
+from benchmarks.peers.appinsights_peer import IKEY, AppInsightsPeer, Answer
 
 # Keep the SDK's own phone-home features off the network in tests (they are documented env switches).
 QUIET_SDK_ENV = {

@@ -22,7 +22,7 @@ from forwarder.retry import Backoff
 from forwarder.sinkapi import Ok, Record, Reject, Retry, SinkContext
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
 from tests.peers.connect_proxy import ConnectProxy
-from tests.peers.eventhubs_peer import NAMESPACE_HOST, RESOURCE_LIMIT, SERVER_BUSY, WS_PATH, EventHubsPeer
+from benchmarks.peers.eventhubs_peer import NAMESPACE_HOST, RESOURCE_LIMIT, SERVER_BUSY, WS_PATH, EventHubsPeer
 
 _UNAVAILABLE = EventHubsPeer.available()
 if _UNAVAILABLE is not None and os.environ.get("SEFWD_REQUIRE_PEERS"):

@@ -17,7 +17,7 @@ from sinks.loganalytics import LogAnalyticsSink
 from collections import Counter
 
 from tests.agent import AgentProcess, dead_letters, read_jsonl, wait_until, write_config
-from tests.peers.logs_ingestion import PASS, LogsIngestionPeer, Reply, emulator_tokens, error_body
+from benchmarks.peers.logs_ingestion import PASS, LogsIngestionPeer, Reply, emulator_tokens, error_body
 
 pytestmark = pytest.mark.timeout(60)
 

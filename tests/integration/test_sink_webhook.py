@@ -17,7 +17,7 @@ from standardwebhooks.webhooks import Webhook
 from forwarder.signing import generate_secret
 from forwarder.sinkapi import Ok, Record, Reject, Retry, SinkContext
 from sinks.webhook import CONTENT_TYPE_BATCH, CONTENT_TYPE_SINGLE, WebhookSink, batch_id
-from tests.peers.webhook_receiver import Reply, WebhookReceiver
+from benchmarks.peers.webhook_receiver import Reply, WebhookReceiver
 
 pytestmark = pytest.mark.timeout(60)
 

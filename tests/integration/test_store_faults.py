@@ -22,7 +22,7 @@ from forwarder.store import Store
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until
 from tests.integration.test_callback_agent import _reachable, free_port
 from tests.integration.test_cli import sefwd
-from tests.peers.webhook_receiver import Reply, WebhookReceiver
+from benchmarks.peers.webhook_receiver import Reply, WebhookReceiver
 
 
 def cfg(tmp_path: Path, emu: Emulator, rx: WebhookReceiver, state: Path, extra: str = "") -> Path:

@@ -17,7 +17,7 @@ from forwarder.emulator import Emulator  # noqa: E402
 from forwarder.errors import ConfigError  # noqa: E402
 from forwarder.telemetry import NO_TELEMETRY, Health, create_telemetry  # noqa: E402
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config  # noqa: E402
-from tests.peers.appinsights_peer import IKEY, AppInsightsPeer  # noqa: E402
+from benchmarks.peers.appinsights_peer import IKEY, AppInsightsPeer  # noqa: E402
 
 QUIET_SDK_ENV = {
     "APPLICATIONINSIGHTS_STATSBEAT_DISABLED_ALL": "true",

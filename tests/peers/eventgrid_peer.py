@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs
 
-from tests.peers.logs_ingestion import LogsIngestionPeer, _Verdict, error_body
+from benchmarks.peers.logs_ingestion import LogsIngestionPeer, _Verdict, error_body
 
 TOPIC_PATH = "/api/events"
 TOPIC_API_VERSION = "2018-01-01"

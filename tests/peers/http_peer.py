@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from tests.peers.lifecycle import ServerPeer
+from benchmarks.peers.lifecycle import ServerPeer
 from urllib.parse import parse_qs, urlsplit
 
 

@@ -1,6 +1,5 @@
 #!/bin/sh
-# Install the Event Hubs test peer's npm dependencies (rhea, ws; pinned by package-lock.json).
-# Used by .ci/run; needs node >= 18 and npm.
+# The README's and CI's entry point: installs the Event Hubs peer's npm dependencies. The peer
+# itself (server.js, package.json) lives in benchmarks/peers/eventhubs, which tests and benchmarks share.
 set -eu
-cd "$(dirname "$0")"
-exec npm ci --no-audit --no-fund --loglevel=error
+exec sh "$(dirname "$0")/../../../benchmarks/peers/eventhubs/install.sh"

@@ -36,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tests.peers.lifecycle import ServerPeer
+from benchmarks.peers.lifecycle import ServerPeer
 
 import trustme
 

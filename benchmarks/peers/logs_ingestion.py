@@ -35,7 +35,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from tests.peers.lifecycle import ServerPeer
+from benchmarks.peers.lifecycle import ServerPeer
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import trustme

@@ -1,7 +1,8 @@
-"""Start the Node.js Event Hubs AMQP peer (tests/peers/eventhubs/server.js) and talk to its control port.
+"""Start the Node.js Event Hubs AMQP peer (benchmarks/peers/eventhubs/server.js) and talk to its control port.
 
-The peer needs ``node`` and its npm dependencies: ``npm ci --prefix tests/peers/eventhubs``
-(``tests/peers/eventhubs/install.sh``). ``EventHubsPeer.available()`` says whether both are there.
+The peer needs ``node`` and its npm dependencies: ``npm ci --prefix benchmarks/peers/eventhubs``
+(``benchmarks/peers/eventhubs/install.sh``; ``tests/peers/eventhubs/install.sh`` runs it too).
+``EventHubsPeer.available()`` says whether both are there.
 With ``tls=True`` it also listens as the service does, behind a certificate from a test CA
 (trustme): AMQPS and AMQP over secure WebSocket (``/$servicebus/websocket``).
 """
@@ -75,7 +76,7 @@ class EventHubsPeer:
             return "node is not installed"
         for package in ("rhea", "ws"):
             if not (PEER_DIR / "node_modules" / package).is_dir():
-                return f"{package} is not installed: run sh tests/peers/eventhubs/install.sh (npm ci)"
+                return f"{package} is not installed: run sh benchmarks/peers/eventhubs/install.sh (npm ci)"
         return None
 
     def _first_line(self, timeout: float) -> bytes:

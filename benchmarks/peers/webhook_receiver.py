@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Union
 
-from tests.peers.lifecycle import ServerPeer
+from benchmarks.peers.lifecycle import ServerPeer
 
 
 @dataclass(frozen=True)
