@@ -277,6 +277,52 @@ def test_killed_deadletter_replay_loses_nothing(tmp_path):
         assert {r["id"] for r in hook_records(rx)} == dead and store.dead_counts() == {}
 
 
+RAISING_SINK = """
+class RaisingSink:
+    OPTIONS = {}
+    max_batch = 2
+
+    @classmethod
+    def check(cls, options):
+        return []
+
+    def __init__(self, options, context):
+        pass
+
+    def send(self, batch):
+        raise RuntimeError("the sink blew up")
+
+    def close(self):
+        pass
+"""
+
+
+def test_a_sink_that_raises_during_deadletter_replay_loses_no_dead_letter(tmp_path):
+    # A third-party sink, installed as a plugin (entry point), that raises instead of answering.
+    plugin = tmp_path / "plugin"
+    (plugin / "raising_sink-1.0.dist-info").mkdir(parents=True)
+    (plugin / "raising_sink.py").write_text(RAISING_SINK)
+    (plugin / "raising_sink-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: raising-sink\nVersion: 1.0\n")
+    (plugin / "raising_sink-1.0.dist-info" / "entry_points.txt").write_text(
+        "[scheduled_events_forwarder.sinks]\nraising = raising_sink:RaisingSink\n")
+    state = tmp_path / "state"
+    config = tmp_path / "c.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n[[sinks]]\ntype = "raising"\nname = "x"\n')
+    store = Store.open(state)
+    bodies = [orjson.dumps({"id": f"dl{i}", "type": "scheduledevent.scheduled", "sequence": str(i)}) for i in range(3)]
+    store.advance("x", 1, [(b, "http_400", "refused") for b in bodies], now="2026-01-01T00:00:00Z")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEFWD_")}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{plugin}"
+    done = subprocess.run([sys.executable, "-m", "forwarder", "deadletter", "replay", "x", "--config", str(config)],
+                          env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "replay stopped: RuntimeError: the sink blew up; the 3 dead letter(s) not delivered are kept" in done.stderr
+    assert "replayed 0, still dead 3" in done.stderr and "Traceback" not in done.stderr
+    kept = store.dead_letters("x")
+    assert [(bytes(d.record.body), d.reason, d.detail) for d in kept] == [(b, "http_400", "refused") for b in bodies]
+    store.close()
+
+
 def test_callback_flood_with_a_sink_down_costs_a_few_records_and_evicts_no_scheduled_event(tmp_path):
     state = tmp_path / "state"
     port = free_port()
