@@ -367,9 +367,10 @@ def open_agent_store(state_dir: Path, *, fsync: bool = True, max_size: int = 256
         _discard_partial(state_dir)
     except OSError as exc:
         raise StateError(f"cannot remove an unfinished salvage in {state_dir}: {exc}") from None
-    found = sorted(state_dir.glob(f"{SALVAGED}*"), key=lambda p: p.name)
+    # (only ever one, unless someone copied files around; other names are stray files, ignored)
+    found = sorted(p for p in state_dir.glob(f"{SALVAGED}*") if p.name[len(SALVAGED):].isdigit())
     resume = found[-1] if found and found[-1].is_file() else None
-    for extra in found:  # (only ever one, unless someone copied files around)
+    for extra in found:
         if extra != resume:
             _aside(extra, "not a salvage to resume")
     if resume is not None:
