@@ -101,6 +101,7 @@ class Poller:
         self.polled = threading.Condition()
         self._poll_waiters = 0
         self.inbox: deque[dict[str, Any]] = deque()
+        self._inbox_failures, self._inbox_due = 0, 0.0  # failed inbox commits in a row; next try (monotonic)
         self.on_changes: Callable[[list[Change], list[Record]], None] | None = None
 
     # -- one cycle -------------------------------------------------------------------------
@@ -165,7 +166,8 @@ class Poller:
         queued: list[dict[str, Any]] = []
         while self.inbox:
             queued.append(self.inbox.popleft())
-        entries = [e for e in queued + [e for _, e in stored] if isinstance(e, dict) and e.get("Outcome")]
+        entries = [e for e in queued + [e for _, e in stored]
+                   if isinstance(e, dict) and (e.get("Outcome") or e.get("Lifecycle") == "data_lost")]
         if len(entries) < len(queued) + len(stored):
             log.error("dropping %d unreadable approval inbox entr(ies)", len(queued) + len(stored) - len(entries))
         for entry in entries:
@@ -173,8 +175,18 @@ class Poller:
                 # All-or-nothing: an "approved" entry means IMDS accepted (now or before) every id.
                 ids = [i for i in entry["EventIds"] if isinstance(i, str)]
                 self.evidence.approval_accepted(ids, self._wall())
-        if not self._emit(lambda: [self.factory.approval(e) for e in entries], inbox_ids=[i for i, _ in stored]):
+
+        def build() -> list[Record]:
+            # (start-up recovery queues its forwarder.data_lost announcement here: see forwarder.recovery)
+            return [self.factory.lifecycle("data_lost", e["Data"] if isinstance(e.get("Data"), dict) else {})
+                    if e.get("Lifecycle") else self.factory.approval(e) for e in entries]
+
+        if self._emit(build, inbox_ids=[i for i, _ in stored]):
+            self._inbox_failures = 0
+        else:
             self.inbox.extendleft(reversed(queued))  # inbox rows stay in the store and are retried
+            self._inbox_failures += 1  # with the poller's backoff (the poll itself goes on meanwhile)
+            self._inbox_due = self._mono() + self._backoff.delay(self._inbox_failures - 1, self._rng)
 
     def _emit(self, build: Callable[[], list[Record]], *, document: Document | None = None, body: bytes | None = None,
               inbox_ids: Sequence[int] = ()) -> bool:
@@ -275,7 +287,8 @@ class Poller:
 
     def _cycle(self) -> float:
         """One turn: audits, one poll, heartbeat and identity refresh when due; returns the wait."""
-        self.drain_inbox()  # audits that arrived while we waited go before the next document
+        if self._mono() >= self._inbox_due:
+            self.drain_inbox()  # audits that arrived while we waited go before the next document
         wait = self.poll_once()
         self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
         now = self._mono()

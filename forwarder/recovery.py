@@ -1,5 +1,11 @@
 """Opening the agent's store at start: one agent per state dir, old layouts and damaged files set
-aside (never deleted), what can be read salvaged, and every loss counted and described."""
+aside (never deleted), what can be read salvaged, and every loss counted and described.
+
+A damaged ``state.db`` is salvaged into ``state.db.salvage-tmp`` while it stays in place; only
+the complete result is renamed ``state.db.salvaged-<ns>``, then the damaged files are renamed
+``state.db.damaged-<ns>*`` and the salvage becomes ``state.db``. A failure or crash at any step
+leaves a state the next start resumes from, and the ``forwarder.data_lost`` announcement waits
+in the new database's inbox until it is committed as a record."""
 from __future__ import annotations
 
 import logging
@@ -14,14 +20,16 @@ from typing import Any
 import orjson
 
 from forwarder.errors import StateError
-from forwarder.store import DB_FILE, FORMAT, Store, connect, parse_meta, priority_of, sequence_floor
+from forwarder.store import DB_FILE, FORMAT, SCHEMA, Store, connect, parse_meta, priority_of, sequence_floor
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "agent.lock"
 # The hand-made stores before state.db. No release shipped them, so they are set aside, not migrated.
 OLD_LAYOUT = ("state.json", "journal", "deadletter", "spool", "callback-replay.log", "approved.json", "status.json")
-_SALVAGE_CHUNK = 500
+_SALVAGE_CHUNK = 512
+SALVAGE_TMP = DB_FILE + ".salvage-tmp"  # being built; a leftover one is discarded and built again
+SALVAGED = DB_FILE + ".salvaged-"  # complete, to replace state.db (whose files go aside with the same <ns>)
 DAMAGE = frozenset({"SQLITE_CORRUPT", "SQLITE_NOTADB", "SQLITE_FORMAT"})  # errors that mean a damaged file
 
 
@@ -34,16 +42,26 @@ class Loss:
     renamed_to: str
     salvaged_records: int = 0
     salvaged_dead_letters: int = 0
-    unreadable_rows: int = 0  # rows known to exist that could not be read (a lower bound)
+    unreadable_rows: int = 0  # ids in damaged ranges, and rows with a missing or wrong-kind value
     state_restored: bool = False
-    counts: dict[str, int] = field(default_factory=dict)
+    uncounted: list[str] = field(default_factory=list)  # tables unreadable beyond counting: loss unknown
 
     def record_data(self) -> dict[str, Any]:
         return {
             "Reason": self.reason, "Detail": self.detail, "RenamedTo": self.renamed_to,
             "SalvagedRecords": self.salvaged_records, "SalvagedDeadLetters": self.salvaged_dead_letters,
-            "UnreadableRows": self.unreadable_rows, "StateRestored": self.state_restored,
+            "UnreadableRows": self.unreadable_rows, "UncountedTables": self.uncounted,
+            "StateRestored": self.state_restored,
         }
+
+    @classmethod
+    def from_data(cls, d: dict[str, Any]) -> Loss:
+        def num(key: str) -> int:
+            return d[key] if isinstance(d.get(key), int) else 0
+
+        return cls(str(d.get("Reason")), str(d.get("Detail")), str(d.get("RenamedTo")), num("SalvagedRecords"),
+                   num("SalvagedDeadLetters"), num("UnreadableRows"), d.get("StateRestored") is True,
+                   [str(t) for t in d.get("UncountedTables") or []])
 
 
 def lock_state_dir(state_dir: Path) -> int | None:
@@ -124,113 +142,249 @@ def _problem(path: Path, fsync: bool) -> str | None:
     return None
 
 
-def _rows(conn: sqlite3.Connection, table: str, columns: str, loss: Loss) -> list[tuple[Any, ...]]:
-    """Every readable row of a table, read in id order around damaged pages."""
+def _top_id(conn: sqlite3.Connection, table: str) -> int | None:
+    """The highest id the table ever handed out (None: unknown, its pages are unreadable)."""
+    for sql, args in (("SELECT seq FROM sqlite_sequence WHERE name = ?", (table,)), (f"SELECT max(id) FROM {table}", ())):
+        try:
+            row = conn.execute(sql, args).fetchone()
+            if row is not None:
+                return int(row[0] or 0)
+        except (sqlite3.Error, ValueError, TypeError):
+            pass
+    return None
+
+
+def _rows(conn: sqlite3.Connection, table: str, columns: str, after: int, loss: Loss) -> list[tuple[Any, ...]]:
+    """Every readable row with an id above ``after``, read in id ranges narrowed around damaged pages.
+
+    Each id in a range that cannot be read counts as one unreadable row. Past 64 unreadable ids in
+    a row the skips double (a damaged interior page can hide a long range), so a few readable rows
+    after it may be counted lost instead of salvaged. Without a known top id, reading stops at the
+    first damage and the table is named in ``loss.uncounted``.
+    """
+    top = _top_id(conn, table)
     out: list[tuple[Any, ...]] = []
-    try:
-        top = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = ?", (table,)).fetchone()
-        top_id = int(top[0]) if top else None
-    except sqlite3.Error:
-        top_id = None
-    last, step = 0, _SALVAGE_CHUNK
-    for _ in range(100_000):
+    last, step, failures = after, _SALVAGE_CHUNK, 0
+    while top is None:
         try:
             chunk = conn.execute(f"SELECT id, {columns} FROM {table} WHERE id > ? ORDER BY id LIMIT ?",
                                  (last, _SALVAGE_CHUNK)).fetchall()
-            step = _SALVAGE_CHUNK
         except sqlite3.Error:
-            if top_id is None or last >= top_id:
-                loss.unreadable_rows += 1
-                break
-            loss.unreadable_rows += min(step, top_id - last)
-            last += step  # skip the damaged range, count it, and try further on
-            step *= 2
-            continue
+            loss.uncounted.append(table)
+            return out
         if not chunk:
-            break
+            return out
         out.extend(chunk)
         last = int(chunk[-1][0])
+    while last < top:
+        high = min(top, last + step)
+        try:
+            chunk = conn.execute(f"SELECT id, {columns} FROM {table} WHERE id > ? AND id <= ? ORDER BY id",
+                                 (last, high)).fetchall()
+        except sqlite3.Error:
+            if step > 1:
+                step = max(1, step // 8)  # narrow down to the damaged place
+                continue
+            failures += 1
+            skip = 1 if failures <= 64 else min(top - last, 2 ** (failures - 64))
+            loss.unreadable_rows += skip
+            last += skip
+            continue
+        out.extend(chunk)
+        last, step, failures = high, min(_SALVAGE_CHUNK, step * 2), 0
     return out
 
 
-def _salvage(aside: Path, loss: Loss) -> tuple[dict[str, Any], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """Meta, undelivered records and dead letters that can still be read from a set-aside database."""
+def _salvage(db: Path, loss: Loss) -> tuple[dict[str, Any], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """Meta, undelivered records and dead letters that can still be read from a damaged database."""
     meta: dict[str, Any] = {}
-    if not aside.is_file():
+    if not db.is_file():
+        loss.uncounted += ["records", "dead_letters"]
         return meta, [], []
     try:
-        conn = sqlite3.connect(f"file:{aside}?mode=ro", uri=True, isolation_level=None)
+        conn = sqlite3.connect(db.absolute().as_uri() + "?mode=ro", uri=True, isolation_level=None)
     except sqlite3.Error:
+        loss.uncounted += ["records", "dead_letters"]
         return meta, [], []
     try:
+        try:  # (read-only: lets SQLite read a file shorter than its header says, e.g. truncated)
+            conn.execute("PRAGMA writable_schema=ON")
+        except sqlite3.Error:
+            pass
         try:
             meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
         except sqlite3.Error:
             pass
         try:
-            low = conn.execute("SELECT min(next) FROM cursors").fetchone()[0] or 0
-        except sqlite3.Error:
-            low = 0  # cursors unknown: resend everything readable (duplicates, not loss)
-        records = [r for r in _rows(conn, "records", "body, type, time_ms", loss) if r[0] >= low]
-        dead = _rows(conn, "dead_letters", "sink, body, reason, detail, time", loss)
+            low = int(conn.execute("SELECT min(next) FROM cursors").fetchone()[0] or 1)
+        except (sqlite3.Error, ValueError, TypeError):
+            low = 1  # cursors unknown: resend everything readable (duplicates, not loss)
+        records = _rows(conn, "records", "body, type, time_ms", low - 1, loss)
+        dead = _rows(conn, "dead_letters", "sink, body, reason, detail, time", 0, loss)
     finally:
         conn.close()
     return meta, records, dead
 
 
-def _restore(store: Store, meta: dict[str, Any], records: list[tuple[Any, ...]], dead: list[tuple[Any, ...]],
-             loss: Loss, now: float) -> None:
-    """Put what was salvaged into the fresh database; the sequence continues above anything seen."""
+def _blob(value: Any) -> bytes | None:
+    if isinstance(value, str):
+        value = value.encode("utf-8", "surrogateescape")
+    return value if isinstance(value, bytes) and value else None
+
+
+def _restore(conn: sqlite3.Connection, meta: dict[str, Any], records: list[tuple[Any, ...]],
+             dead: list[tuple[Any, ...]], loss: Loss, now: float) -> None:
+    """Put what was salvaged into the new database, with the announcement of the loss, in one
+    transaction. A row with a value missing or of the wrong kind is counted lost, never fatal."""
+    now_ms = int(now * 1000)
     seqs = [sequence_floor(now)]
-    for row in records:
+    rows, letters = [], []
+    for _, body, rtype, ms in records:
+        blob = _blob(body)
+        if blob is None or not isinstance(rtype, str):
+            loss.unreadable_rows += 1
+            continue
+        rows.append((blob, rtype, priority_of(rtype), ms if isinstance(ms, int) else now_ms))
         try:
-            seqs.append(int(orjson.loads(row[1]).get("sequence", 0)))
+            seqs.append(int(orjson.loads(blob).get("sequence", 0)))
         except (ValueError, TypeError, AttributeError):
             pass
+    for _, sink, body, reason, detail, when in dead:
+        blob = _blob(body)
+        if blob is None or not isinstance(sink, str):
+            loss.unreadable_rows += 1
+            continue
+        letters.append((sink, blob, *("" if v is None else str(v) for v in (reason, detail, when))))
     state, _ = parse_meta(meta, now)
     seqs.append(state.sequence)
-    keep = {"document": state.document, "api_version": state.api_version, "vm": orjson.dumps(state.vm)}
     loss.state_restored = state.document is not None
-    with store.transaction() as c:
-        c.executemany("INSERT INTO records(body, type, priority, time_ms) VALUES (?, ?, ?, ?)",
-                      [(b, t, priority_of(str(t)), ms) for _, b, t, ms in records])
-        c.executemany("INSERT INTO dead_letters(sink, body, reason, detail, time) VALUES (?, ?, ?, ?, ?)",
-                      [row[1:] for row in dead])
-        c.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)",
-                      [("sequence", max(seqs)), ("format", FORMAT), *keep.items()])
-        for reason, n in loss.counts.items():
-            Store._count(c, "*", reason, n)
-    loss.salvaged_records, loss.salvaged_dead_letters = len(records), len(dead)
+    loss.salvaged_records, loss.salvaged_dead_letters = len(rows), len(letters)
+    counts = {loss.reason: 1, **({"unreadable_rows": loss.unreadable_rows} if loss.unreadable_rows else {})}
+    conn.execute("BEGIN IMMEDIATE")
+    conn.executemany("INSERT INTO records(body, type, priority, time_ms) VALUES (?, ?, ?, ?)", rows)
+    conn.executemany("INSERT INTO dead_letters(sink, body, reason, detail, time) VALUES (?, ?, ?, ?, ?)", letters)
+    conn.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
+        ("sequence", max(seqs)), ("format", FORMAT), ("document", state.document),
+        ("api_version", state.api_version), ("vm", orjson.dumps(state.vm))])
+    for reason, n in counts.items():
+        Store._count(conn, "*", reason, n)
+    # The announcement waits in the inbox until the agent commits it as a record (deleting the row
+    # in the same transaction): a failed commit or a crash before it only delays it.
+    conn.execute("INSERT INTO inbox(entry, time) VALUES (?, ?)",
+                 (orjson.dumps({"Lifecycle": "data_lost", "Data": loss.record_data()}), now))
+    conn.execute("COMMIT")
+
+
+def _sync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # (Windows: directories cannot be opened; renames there are durable enough)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard_partial(state_dir: Path) -> None:
+    """A salvage that did not finish is started again from the damaged file, which is still in place."""
+    for name in (SALVAGE_TMP, SALVAGE_TMP + "-journal"):
+        if os.path.lexists(state_dir / name):
+            os.unlink(state_dir / name)
+
+
+def _build(path: Path, problem: str, fsync: bool, now: float) -> Path:
+    """Salvage the damaged ``path`` into a new file beside it; returns it once complete.
+
+    Nothing is renamed before this succeeds: a full disk or a crash here leaves the damaged
+    database where it was, and the next attempt starts over.
+    """
+    ns = time.time_ns()
+    unusable = ("not a regular file", "not a database", "unable to open")
+    reason = "database_unusable" if any(u in problem for u in unusable) else "database_damaged"
+    loss = Loss(reason, problem, f"{DB_FILE}.damaged-{ns}")
+    log.error("%s: %s; salvaging what can be read into a new database, then renaming it to %s",
+              path, problem, loss.renamed_to)
+    tmp = path.with_name(SALVAGE_TMP)
+    try:
+        salvaged = _salvage(path, loss)
+        conn = sqlite3.connect(str(tmp), isolation_level=None)
+        try:
+            os.chmod(tmp, 0o640)
+            conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")  # (rollback journal: one file)
+            conn.executescript(SCHEMA)
+            _restore(conn, *salvaged, loss, now)
+        finally:
+            conn.close()
+        ready = path.with_name(f"{SALVAGED}{ns}")
+        os.replace(tmp, ready)
+        _sync_dir(path.parent)
+    except (OSError, sqlite3.Error) as exc:
+        try:
+            _discard_partial(path.parent)
+        except OSError:
+            pass
+        raise StateError(f"cannot salvage {path} ({problem}): {exc}; it is left in place for the next attempt") from None
+    log.error("salvaged %d record(s) and %d dead letter(s) from %s; %d row(s) unreadable%s",
+              loss.salvaged_records, loss.salvaged_dead_letters, path.name, loss.unreadable_rows,
+              f", rows of {', '.join(loss.uncounted)} uncounted" if loss.uncounted else "")
+    return ready
+
+
+def _switch(path: Path, ready: Path) -> None:
+    """Set the damaged files aside under the salvage's name, then move the salvaged database in.
+    Every step is a rename, so a start after a crash half way finishes it."""
+    suffix = ".damaged-" + ready.name[len(SALVAGED):]
+    try:
+        for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+            if os.path.lexists(p):
+                target = p.with_name(p.name.replace(DB_FILE, DB_FILE + suffix, 1))
+                if os.path.lexists(target):  # (a state.db created after the first rename: keep both)
+                    _aside(p, "not the damaged database")
+                else:
+                    os.replace(p, target)
+        os.replace(ready, path)
+        _sync_dir(path.parent)
+        log.error("%s: renamed it to %s and moved the salvaged database into its place", path, DB_FILE + suffix)
+    except OSError as exc:
+        raise StateError(f"cannot move the salvaged database {ready.name} into place: {exc}") from None
+
+
+def pending_loss(store: Store) -> Loss | None:
+    """The loss whose ``forwarder.data_lost`` record is still waiting in the inbox, if any."""
+    for _, entry in store.inbox(1000):
+        if isinstance(entry, dict) and entry.get("Lifecycle") == "data_lost" and isinstance(entry.get("Data"), dict):
+            return Loss.from_data(entry["Data"])
+    return None
 
 
 def open_agent_store(state_dir: Path, *, fsync: bool = True, max_size: int = 256 * 1024 * 1024,
                      clock: Callable[[], float] = time.time) -> tuple[Store, Loss | None]:
-    """The agent's store, whatever the state dir holds; a Loss when something had to be set aside."""
+    """The agent's store, whatever the state dir holds; a Loss while one is still to be announced."""
     set_old_layout_aside(state_dir)
     path = state_dir / DB_FILE
-    problem = _problem(path, fsync)
-    loss: Loss | None = None
-    salvaged: tuple[dict[str, Any], list[tuple[Any, ...]], list[tuple[Any, ...]]] = ({}, [], [])
-    if problem is not None:
-        suffix = f".damaged-{time.time_ns()}"
-        aside = path.with_name(path.name + suffix)
-        for p in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
-            if os.path.lexists(p):
-                os.replace(p, p.with_name(p.name.replace(DB_FILE, DB_FILE + suffix, 1)))
-        unusable = ("not a regular file", "not a database", "unable to open")
-        reason = "database_unusable" if any(u in problem for u in unusable) else "database_damaged"
-        loss = Loss(reason, problem, aside.name)
-        salvaged = _salvage(aside, loss)
-        loss.counts = {reason: 1, **({"unreadable_rows": loss.unreadable_rows} if loss.unreadable_rows else {})}
-        log.error("%s: %s; renamed it to %s, salvaging what can be read into a new database", path, problem, aside.name)
+    try:
+        _discard_partial(state_dir)
+    except OSError as exc:
+        raise StateError(f"cannot remove an unfinished salvage in {state_dir}: {exc}") from None
+    # (only ever one, unless someone copied files around; other names are stray files, ignored)
+    found = sorted(p for p in state_dir.glob(f"{SALVAGED}*") if p.name[len(SALVAGED):].isdigit())
+    resume = found[-1] if found and found[-1].is_file() else None
+    for extra in found:
+        if extra != resume:
+            _aside(extra, "not a salvage to resume")
+    if resume is not None:
+        _switch(path, resume)  # a salvage that finished before the last start ended
+    else:
+        problem = _problem(path, fsync)
+        if problem is not None:
+            _switch(path, _build(path, problem, fsync, clock()))
     try:
         store = Store(connect(path, fsync=fsync), path, max_size=max_size, clock=clock)
     except sqlite3.Error as exc:
         raise StateError(f"cannot create {path}: {exc}") from None
-    if loss is not None:
-        _restore(store, *salvaged, loss, clock())
-        store.size = int(store.query("SELECT total(length(body)) FROM records")[0][0])
-        store.refresh()
-        log.error("salvaged %d record(s) and %d dead letter(s) from %s; %d row(s) unreadable",
-                  loss.salvaged_records, loss.salvaged_dead_letters, loss.renamed_to, loss.unreadable_rows)
-    return store, loss
+    try:
+        return store, pending_loss(store)
+    except StateError:
+        store.close()
+        raise

@@ -41,9 +41,15 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
         store.close()
         return 0
     stop = threading.Event()
-    sink = load_sink_factory(sink_cfg.type)(
-        sink_cfg.options, SinkContext(name=sink_name, state_dir=config.state.dir / "sinks" / sink_name, stop=stop)
-    )
+    try:
+        sink = load_sink_factory(sink_cfg.type)(
+            sink_cfg.options, SinkContext(name=sink_name, state_dir=config.state.dir / "sinks" / sink_name, stop=stop)
+        )
+    except Exception as exc:  # noqa: BLE001 - a third-party sink may raise anything
+        print(f"sefwd: cannot build sink {sink_name}: {type(exc).__name__}: {exc}; its {len(letters)} dead "
+              "letter(s) are kept", file=sys.stderr)
+        store.close()
+        return 1
     backoff, rng = Backoff(initial=0.5, maximum=10.0), random.Random()
     deadline = time.monotonic() + timeout
     sent = failed = 0
@@ -71,8 +77,9 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
     except KeyboardInterrupt:
         failed = len(letters) - sent  # the rest are still dead letters: nothing was removed early
     except Exception as exc:  # a store fault or a sink that raises: what was not delivered stays
-        print(f"sefwd: replay stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
         failed = len(letters) - sent
+        print(f"sefwd: replay stopped: {type(exc).__name__}: {exc}; the {failed} dead letter(s) not delivered "
+              "are kept", file=sys.stderr)
     finally:
         bar.close()
         sink.close()

@@ -190,8 +190,8 @@ class Agent:
                     "started", Resumed=resumed, Pid=os.getpid(), Sinks=[s.name for s in cfg.sinks],
                     PollIntervalSeconds=cfg.imds.poll_interval,
                 )
-                if self.loss is not None:  # every sink hears what was lost, with counts and reasons
-                    poller.emit_lifecycle("data_lost", **self.loss.record_data())
+                # A loss found at start (self.loss) is announced by the poller's first turn: its
+                # forwarder.data_lost record waits in the store's inbox until it commits.
                 self._start_approvals(poller, imds)
                 reporter = StatusReporter(store, lambda: self.snapshot(outbox, poller), self.stop)
                 reporter.write()

@@ -1,25 +1,50 @@
 """Aggregated audit of refused callback requests: at most one ``approval.refused`` record per
-reason and client per window, carrying a count, so a flood costs a bounded number of writes."""
+reason and client per window, carrying a count, so a flood costs a bounded number of writes.
+
+The first refusal of a (reason, client) is recorded at once with ``Count: 1``, so a single bad
+request shows up in the audit without delay. Later ones are only counted; when the window since
+the last record ends, one record carries their count (the fields are the latest refusal's). A
+refusal arriving after a quiet window is again recorded at once, carrying what was still counted.
+Refusals by the rate limiter are never recorded at once (a flood controls their number): their
+first record comes when the window since the first one ends. Stopping writes what is counted.
+"""
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from forwarder.approval.callback import _client_host
 
 WINDOW = 60.0
 # Refused before any other check, so an attacker controls their number: never one write each.
 UNRECORDED_FIRST = frozenset({"rate_limited"})
+MAX_CLIENTS = 10_000  # keys tracked at once; past it, new clients are counted together as "other"
 
 
-def _host(client: str) -> str:
-    """``1.2.3.4:5678`` or ``[::1]:5678`` without the port: one client opens many connections."""
-    host, sep, port = client.rpartition(":")
-    return host if sep and port.isdigit() else client
+def client_group(client: str) -> str:
+    """The client a refusal is counted for: ``1.2.3.4:5678`` → ``1.2.3.4``, ``[2001:db8::1]:80`` →
+    ``2001:db8::/64`` (one host's share), as the callback's per-client connection cap groups them."""
+    if client.startswith("[") and "]" in client:
+        host = client[1 : client.index("]")]
+    else:
+        host, sep, port = client.rpartition(":")
+        host = host if sep and port.isdigit() and ":" not in host else client
+    return _client_host(host)
+
+
+@dataclass
+class _Tally:
+    fields: dict[str, Any]  # the latest refusal's
+    held: int = 0  # refusals counted since the last record
+    since: float = 0.0  # when the first of them came
+    last: float | None = None  # when the last record was written
 
 
 class RefusalAggregator:
-    """The first refusal of a (reason, client) in a window is audited at once; the rest as one count."""
+    """One record per (reason, client group) per ``window`` at most; see the module docstring."""
 
     def __init__(self, submit: Callable[[dict[str, Any]], None], stop: threading.Event, *,
                  window: float = WINDOW, clock: Callable[[], float] = time.monotonic) -> None:
@@ -28,8 +53,7 @@ class RefusalAggregator:
         self._window = window
         self._clock = clock
         self._lock = threading.Lock()
-        self._open: dict[tuple[str, str], float] = {}  # window start per key
-        self._held: dict[tuple[str, str], tuple[dict[str, Any], int]] = {}  # last fields, count since
+        self._tallies: dict[tuple[str, str], _Tally] = {}
         self._thread = threading.Thread(target=self._run, name="refusal-audit", daemon=True)
 
     def start(self) -> None:
@@ -40,32 +64,36 @@ class RefusalAggregator:
         if fields.get("Outcome") != "refused":
             self._submit(fields)
             return
-        key = (str(fields.get("Reason")), _host(str(fields.get("Client"))))
+        reason = str(fields.get("Reason"))
+        key = (reason, client_group(str(fields.get("Client"))))
         now = self._clock()
         with self._lock:
-            started = self._open.get(key)
-            if started is None and key[0] not in UNRECORDED_FIRST:
-                self._open[key] = now
-                first = True
+            if key not in self._tallies and len(self._tallies) >= MAX_CLIENTS:
+                key = (reason, "other")
+            tally = self._tallies.setdefault(key, _Tally(fields))
+            tally.fields = fields
+            if reason not in UNRECORDED_FIRST and (tally.last is None or now - tally.last >= self._window):
+                out = {**fields, "Count": tally.held + 1}
+                tally.held, tally.last = 0, now
             else:
-                self._open.setdefault(key, now)
-                _, n = self._held.get(key, (fields, 0))
-                self._held[key] = (fields, n + 1)
-                first = False
-        if first:
-            self._submit({**fields, "Count": 1})
+                if tally.held == 0:
+                    tally.since = now
+                tally.held += 1
+                return
+        self._submit(out)
 
     def flush(self, force: bool = False) -> None:
-        """Submit one record per key whose window ended (all with ``force``) and close those windows."""
+        """Write the count of every key whose window ended (all with ``force``); forget idle keys."""
         now = self._clock()
         out = []
         with self._lock:
-            for key, started in list(self._open.items()):
-                if force or now - started >= self._window:
-                    del self._open[key]
-                    held = self._held.pop(key, None)
-                    if held is not None:
-                        out.append({**held[0], "Count": held[1]})
+            for key, tally in list(self._tallies.items()):
+                due = (tally.since if tally.last is None else tally.last) + self._window
+                if tally.held and (force or now >= due):
+                    out.append({**tally.fields, "Count": tally.held})
+                    tally.held, tally.last = 0, now
+                elif not tally.held and (tally.last is None or now - tally.last >= self._window):
+                    del self._tallies[key]
         for fields in out:
             self._submit(fields)
 
