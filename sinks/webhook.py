@@ -301,7 +301,7 @@ class WebhookSink:
                 return Ok()
             body = b"[" + b",".join(record.body for record in batch) + b"]"
             return self._post(body, batch_id(batch), CONTENT_TYPE_BATCH)
-        except Exception as exc:  # never raise into the dispatcher: the records stay in the journal
+        except Exception as exc:  # never raise into the dispatcher: the records stay in the store
             log.error("sink %r: unexpected error sending to %s: %s", self.name, self._safe_url,
                       self._redact(f"{type(exc).__name__}: {exc}"))
             return Retry(reason="internal_error")

@@ -222,7 +222,7 @@ def test_nothing_written_to_the_temp_dir(peer, tmp_path, monkeypatch):
     finally:
         sink.close()
     assert list(fake_tmp.iterdir()) == []
-    assert not state.exists()  # the journal is the only offline buffer
+    assert not state.exists()  # the store is the only offline buffer
 
 
 def test_the_sink_imports_no_opentelemetry_and_no_azure_sdk():
