@@ -51,6 +51,14 @@ SUMMARY: dict[str, dict[str, str] | str] = {
     "backlog_100k_webhook_s": "backlog.projected_s_for_100k.batch_100",
     "fleet": {"agents": "fleet.agents", "cpu_percent": "fleet.cpu_percent", "rss_mib_each": "fleet.rss_mib_each.median",
               "eventhubs_records": "fleet.eventhubs_records", "unique_eventkeys": "fleet.unique_eventkeys"},
+    # The Event Hubs sink's CPU per record in a burst, beside the thread-per-send sink it replaced.
+    "eventhubs_cpu_ms_per_record": {
+        "burst_amqp": "eventhubs_send.cpu_ms_per_record.after.amqp.burst",
+        "burst_websocket": "eventhubs_send.cpu_ms_per_record.after.websocket.burst",
+        "previous_burst_amqp": "eventhubs_send.cpu_ms_per_record.before.amqp.burst",
+        "previous_burst_websocket": "eventhubs_send.cpu_ms_per_record.before.websocket.burst",
+        "single_amqp": "eventhubs_send.cpu_ms_per_record.after.amqp.single",
+        "single_websocket": "eventhubs_send.cpu_ms_per_record.after.websocket.single"},
 }
 
 
@@ -94,6 +102,10 @@ GOALS: list[tuple[str, str, Callable[[dict[str, Any]], bool | None]]] = [
     ("journal.drain_rps", ">= 50k rec/s", lambda s: _check(s, ["journal.drain_rps"], lambda a: a >= 50_000)),
     ("backlog_100k_webhook_s", "<= 30 s", lambda s: _check(s, ["backlog_100k_webhook_s"], lambda a: a <= 30)),
     ("fleet.cpu_percent", "<= 25 % of all cores", lambda s: _check(s, ["fleet.cpu_percent"], lambda a: a <= 25)),
+    ("eventhubs_cpu_ms_per_record.burst_amqp", "<= 1 ms amortized (AMQPS burst)",
+     lambda s: _check(s, ["eventhubs_cpu_ms_per_record.burst_amqp"], lambda a: a <= 1.0)),
+    ("eventhubs_cpu_ms_per_record.burst_websocket", "<= 1 ms amortized (WebSocket burst)",
+     lambda s: _check(s, ["eventhubs_cpu_ms_per_record.burst_websocket"], lambda a: a <= 1.0)),
 ]
 
 

@@ -14,7 +14,7 @@ Posting the envelope gives the per-item answer: accepted items are remembered an
 again, items refused with a retryable status (408, 429, 5xx) are retried alone, and items refused
 for good (400: the service will never take them) go to dead letters with the service's message.
 
-Nothing else is kept on the side: the journal is the offline buffer, the dispatcher owns retries
+Nothing else is kept on the side: the store is the offline buffer, the dispatcher owns retries
 and backoff (``Retry-After`` honoured), so ``send`` tries once and says what happened.
 """
 from __future__ import annotations
@@ -211,7 +211,7 @@ class AppInsightsSink:
             try:
                 pending = self._ledger.pending(batch)
                 retry = self._deliver(pending) if pending else None
-            except Exception as exc:  # never raise into the dispatcher: the records stay in the journal
+            except Exception as exc:  # never raise into the dispatcher: the records stay in the store
                 log.error("sink %r: unexpected error sending to %s: %s: %s",
                           self.name, self._track_url, type(exc).__name__, exc)
                 return Retry(reason="internal_error")

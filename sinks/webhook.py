@@ -16,7 +16,9 @@ only, so in binary mode the ``ce-`` headers are not signed (use structured mode 
 delivery: an ``OPTIONS`` request with ``WebHook-Request-Origin``; deliveries start once the
 receiver answers 2xx with a matching ``WebHook-Allowed-Origin`` (or ``*``), and never exceed a
 ``WebHook-Allowed-Rate`` (requests per minute) it grants. Until the receiver allows us the records
-wait (retried, logged); a 401/403 later makes the sink ask again.
+wait (retried with backoff, logged, ``handshake_refused`` in ``sefwd status``). A 401/403 on a
+delivery may mean the permission was withdrawn: the records wait (retry, never a dead letter) and
+the handshake is asked again before the next attempt.
 
 TLS certificates are always verified (``ca_file`` adds trust in a private CA); plain ``http://``
 is allowed for loopback receivers, and elsewhere only with ``insecure_http = true``. Redirects are
@@ -265,7 +267,7 @@ class WebhookSink:
         log.error("sink %r: %s does not allow deliveries from %r (OPTIONS answered %d, WebHook-Allowed-Origin %r); "
                   "records are kept and the handshake is retried", self.name, self._safe_url, self.origin, status,
                   allowed or None)
-        return Retry(reason="not_allowed")
+        return Retry(reason="handshake_refused")
 
     def _pace(self) -> bool:
         """Wait for the next request slot the receiver's allowed rate gives; False when stopping."""
@@ -299,7 +301,7 @@ class WebhookSink:
                 return Ok()
             body = b"[" + b",".join(record.body for record in batch) + b"]"
             return self._post(body, batch_id(batch), CONTENT_TYPE_BATCH)
-        except Exception as exc:  # never raise into the dispatcher: the records stay in the journal
+        except Exception as exc:  # never raise into the dispatcher: the records stay in the store
             log.error("sink %r: unexpected error sending to %s: %s", self.name, self._safe_url,
                       self._redact(f"{type(exc).__name__}: {exc}"))
             return Retry(reason="internal_error")
@@ -332,7 +334,15 @@ class WebhookSink:
                 log.warning("sink %r: cannot reach %s: %s", self.name, self._safe_url, self._redact(str(exc)))
                 return Retry(reason="connection_error")
             if self._handshake and response.status_code in (401, 403):
-                self._allowed = False  # the permission may have been withdrawn: ask again next time
+                # The permission may have been withdrawn: the records wait and the next attempt
+                # (after the dispatcher's backoff) asks again; a refusal then keeps them waiting.
+                self._allowed = False
+                response.close()
+                log.error("sink %r: %s refused a delivery with %d: the receiver may have withdrawn its permission "
+                          "(or 'headers' lost theirs); records are kept and the handshake is asked again",
+                          self.name, self._safe_url, response.status_code)
+                return Retry(reason=f"http_{response.status_code}_handshake_again",
+                             delay=parse_retry_after(response.headers.get("Retry-After")))
             try:
                 return self._result(response)
             except requests.exceptions.RequestException as exc:

@@ -12,6 +12,9 @@ Scripting: ``peer.queue(500, 429, ...)`` answers the next requests with those st
 ``Answer(206, reject=[0])`` (500, retryable) or ``refuse=[1]`` (400, for good), a slow answer via
 ``Answer(200, delay=s)``; a body over ``max_body`` bytes on the wire gets 413. With
 ``require_bearer=True`` a request without ``Authorization: Bearer ...`` gets 401.
+``request_rule(envelopes)`` may answer a whole request by its content (an ``Answer``, or None for
+the usual answer); ``Answer(400, itemized=False)`` is a refusal without per-item errors, as a
+gateway in front of the service gives.
 
 TLS uses a throw-away CA made by trustme: ``peer.ca_file`` is its PEM for the client's trust.
 
@@ -53,6 +56,7 @@ class Answer:
     reject: tuple[int, ...] | list[int] = ()  # for 206: item indexes answered 500 (retryable)
     refuse: tuple[int, ...] | list[int] = ()  # for 206: item indexes answered 400 (never accepted)
     delay: float = 0.0
+    itemized: bool = True  # for statuses other than 200/206: list every item with the request's status
 
 
 @dataclass
@@ -129,6 +133,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(400, {"itemsReceived": 0, "itemsAccepted": 0, "errors": [], "message": f"bad body: {exc}"})
             return
         answer = peer._next_answer()
+        ruled = peer.request_rule(envelopes) if peer.request_rule else None
+        if ruled is not None:
+            answer = ruled
         if peer.require_bearer and not headers.get("authorization", "").startswith("Bearer "):
             answer = Answer(401)
         if answer.delay and peer._stopping.wait(answer.delay):
@@ -145,6 +152,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         if answer.status not in (200, 206):
             peer._store(request, [])
+            if not answer.itemized:
+                self._reply(answer.status, {"error": {"code": "BadRequest", "message": "scripted refusal of the request"}},
+                            extra)
+                return
             # Like the service: each item carries the request's status.
             self._reply(answer.status, {"itemsReceived": n, "itemsAccepted": 0,
                                         "errors": [{"index": i, "statusCode": answer.status, "message": "scripted"}
@@ -183,6 +194,7 @@ class AppInsightsPeer(ServerPeer):
         self.require_bearer = require_bearer
         self.max_body: int | None = None  # bytes on the wire; larger requests get 413
         self.item_rule: Callable[[dict[str, Any]], int | None] | None = None
+        self.request_rule: Callable[[list[dict[str, Any]]], Answer | None] | None = None
         self._lock = threading.Condition()
         self._answers: deque[Answer] = deque()
         self.requests: list[TrackRequest] = []

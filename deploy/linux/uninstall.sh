@@ -15,11 +15,42 @@ without --purge, kept files are handed to root:root before the user is deleted.
   --purge         remove those as well: nothing of sefwd is left.
   --prefix DIR    uninstall from DIR instead of / (also $PREFIX); systemctl is not called.
   -h, --help      this text.
+A service manager that fails, hangs (each call is bounded: disable --now 60 s, daemon-reload
+30 s) or is absent does not stop the uninstall: it is reported as a warning and the rest is
+removed; the exit status is 0. Running it again is harmless.
+$SEFWD_SYSTEMCTL, if set, is the command called instead of systemctl (same arguments), also
+with --prefix (tests use it to stand in for a failing or missing service manager).
 EOF
 }
 
 die() { echo "uninstall.sh: error: $*" >&2; exit 1; }
 say() { echo "uninstall.sh: $*"; }
+warn() { echo "uninstall.sh: warning: $*" >&2; }
+
+# systemctl ARGS (or $SEFWD_SYSTEMCTL ARGS) within LIMIT seconds. A failure, a hang or a missing
+# service manager is a warning, never the end of the uninstall: the venv and the unit must go
+# whatever state systemd is in (the VM extension's uninstall relies on it). Output goes to a file,
+# not a pipe, so a killed command's children cannot hold us.
+svc() {
+    local limit="$1" quiet="$2" rc=0 out cmd=(systemctl)
+    shift 2
+    if [ -n "${SEFWD_SYSTEMCTL:-}" ]; then read -r -a cmd <<<"$SEFWD_SYSTEMCTL"; fi
+    out="$(mktemp 2>/dev/null)" || out=""
+    if command -v timeout >/dev/null 2>&1; then
+        timeout -k 5 "$limit" "${cmd[@]}" "$@" >"${out:-/dev/null}" 2>&1 </dev/null || rc=$?
+    else
+        "${cmd[@]}" "$@" >"${out:-/dev/null}" 2>&1 </dev/null || rc=$?
+    fi
+    if [ "$rc" -ne 0 ] && [ "$quiet" != quiet ]; then
+        local why="exit $rc" said=""
+        if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then why="did not finish within ${limit} s"; fi
+        if [ "$rc" -eq 127 ]; then why="not found"; fi
+        if [ -n "$out" ]; then said="$(tr '\n' ' ' <"$out" | cut -c1-300)"; fi
+        warn "${cmd[*]} $* failed ($why)${said:+: $said}; ignored, going on"
+    fi
+    if [ -n "$out" ]; then rm -f "$out"; fi
+    return 0
+}
 
 # Everything runs from main: bash reads a script as it goes, and this file may delete itself.
 main() {
@@ -40,7 +71,9 @@ main() {
         [ "$prefix" = / ] && prefix=""
     fi
     [ -n "$prefix" ] || [ "$is_root" -eq 1 ] || die "run as root (sudo), or pass --prefix DIR"
-    if [ -z "$prefix" ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+    if [ -n "${SEFWD_SYSTEMCTL:-}" ]; then
+        systemd=1
+    elif [ -z "$prefix" ] && command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
         systemd=1
     fi
 
@@ -50,17 +83,21 @@ main() {
         created_user=yes
     fi
 
-    if [ "$systemd" -eq 1 ]; then
-        # Stops the agent with SIGTERM: it drains for drain_timeout; the journal keeps the rest.
-        systemctl disable --now sefwd.service 2>/dev/null || true
+    local unit_removed=0
+    if [ -e "$unit" ] || { [ "$purge" -eq 1 ] && [ -e "$unit.d" ]; }; then
+        unit_removed=1
+    fi
+    if [ "$systemd" -eq 1 ] && [ -e "$unit" ]; then
+        # Stops the agent with SIGTERM: it drains for drain_timeout (TimeoutStopSec=30s); the store keeps the rest.
+        svc 60 loud disable --now sefwd.service
     fi
     rm -f "$unit"
     if [ "$purge" -eq 1 ]; then
         rm -rf "$unit.d"
     fi
-    if [ "$systemd" -eq 1 ]; then
-        systemctl daemon-reload
-        systemctl reset-failed sefwd.service 2>/dev/null || true
+    if [ "$systemd" -eq 1 ] && [ "$unit_removed" -eq 1 ]; then
+        svc 30 loud daemon-reload
+        svc 10 quiet reset-failed sefwd.service
     fi
     if [ -L "$link" ] && [ "$(readlink "$link")" = ../../../opt/sefwd/venv/bin/sefwd ]; then
         rm -f "$link"
@@ -85,9 +122,13 @@ main() {
                 if [ -e "$path" ]; then chown -R root:root "$path"; fi
             done
         fi
-        userdel sefwd
-        if getent group sefwd >/dev/null; then groupdel sefwd 2>/dev/null || true; fi
-        say "removed user sefwd"
+        if userdel sefwd; then
+            if getent group sefwd >/dev/null; then groupdel sefwd 2>/dev/null || true; fi
+            say "removed user sefwd"
+        else
+            # Typically the agent still runs (the service manager could not stop it).
+            warn "user sefwd not removed (still in use?): remove it with 'userdel sefwd' once sefwd has stopped"
+        fi
     fi
 }
 

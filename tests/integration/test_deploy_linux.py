@@ -6,6 +6,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 import orjson
@@ -132,3 +133,73 @@ def test_install_run_uninstall_in_a_scratch_root(tmp_path: Path) -> None:
     assert purged.returncode == 0, purged.stdout + purged.stderr
     assert _files(prefix) == set()
     assert [p for p in prefix.rglob("*") if "sefwd" in p.name] == []
+
+
+def _installed_tree(prefix: Path) -> None:
+    """What install.sh leaves under ``prefix`` (the venv reduced to its entry point: no pip install here)."""
+    opt = prefix / "opt" / "sefwd"
+    (opt / "venv" / "bin").mkdir(parents=True)
+    (opt / "venv" / "bin" / "sefwd").write_text("#!/bin/sh\nexit 0\n")
+    (opt / "install.env").write_text("SEFWD_CREATED_USER=no\n")
+    shutil.copy(LINUX / "uninstall.sh", opt / "uninstall.sh")
+    unit = prefix / "etc" / "systemd" / "system" / "sefwd.service"
+    unit.parent.mkdir(parents=True)
+    shutil.copy(LINUX / "sefwd.service", unit)
+    link = prefix / "usr" / "local" / "bin" / "sefwd"
+    link.parent.mkdir(parents=True)
+    link.symlink_to("../../../opt/sefwd/venv/bin/sefwd")
+    (prefix / "etc" / "sefwd").mkdir()
+    (prefix / "etc" / "sefwd" / "config.toml").write_text("# config\n")
+    (prefix / "var" / "lib" / "sefwd").mkdir(parents=True)
+    (prefix / "var" / "lib" / "sefwd" / "state.db").write_bytes(b"undelivered records")
+
+
+# A stand-in for systemctl (SEFWD_SYSTEMCTL): logs its arguments, then behaves as MODE says.
+SYSTEMCTL_STUB = """#!/bin/sh
+echo "$*" >> "{calls}"
+case "{mode}:$1" in
+  works:*) exit 0 ;;
+  fails:*) echo "Failed to connect to bus: No such file or directory" >&2; exit 1 ;;
+  hangs:daemon-reload) exec sleep 600 ;;
+  hangs:*) exit 0 ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("mode", ["works", "fails", "missing", "hangs"])
+def test_uninstall_goes_on_whatever_the_service_manager_does(tmp_path: Path, mode: str) -> None:
+    """A failing, absent or hanging systemctl is a warning: the unit, the venv and the symlink go, exit 0,
+    and a second run is harmless (the VM extension's uninstall relies on both)."""
+    prefix = tmp_path / "root"
+    _installed_tree(prefix)
+    calls = tmp_path / "calls"
+    stub = tmp_path / "systemctl"
+    stub.write_text(SYSTEMCTL_STUB.format(calls=calls, mode=mode))
+    stub.chmod(0o755)
+    env = _env(SEFWD_SYSTEMCTL=str(tmp_path / "no-such-systemctl") if mode == "missing" else str(stub))
+    started = time.monotonic()
+    first = _sh("bash", prefix / "opt" / "sefwd" / "uninstall.sh", "--prefix", prefix, env=env, cwd=tmp_path, timeout=120)
+    took = time.monotonic() - started
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert _files(prefix) == {"etc/sefwd/config.toml", "var/lib/sefwd/state.db"}  # config and records kept
+    assert "removed the unit and" in first.stdout
+    made = calls.read_text().splitlines() if calls.exists() else []
+    if mode == "missing":
+        assert made == [] and "not found" in first.stderr
+    else:
+        assert made[:2] == ["disable --now sefwd.service", "daemon-reload"]
+    if mode == "works":
+        assert made == ["disable --now sefwd.service", "daemon-reload", "reset-failed sefwd.service"]
+        assert "warning" not in first.stderr
+    elif mode == "fails":
+        assert first.stderr.count("warning:") == 2  # disable and daemon-reload; reset-failed is quiet
+        assert "daemon-reload failed (exit 1): Failed to connect to bus" in first.stderr
+    elif mode == "hangs":
+        assert "daemon-reload failed (did not finish within 30 s)" in first.stderr
+        assert took < 60
+    again = _sh("bash", LINUX / "uninstall.sh", "--prefix", prefix, env=env, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert (calls.read_text().splitlines() if calls.exists() else []) == made  # nothing left to stop or reload
+    assert "warning" not in again.stderr
+    purged = _sh("bash", LINUX / "uninstall.sh", "--prefix", prefix, "--purge", env=env, cwd=tmp_path)
+    assert purged.returncode == 0 and _files(prefix) == set(), purged.stdout + purged.stderr

@@ -222,7 +222,7 @@ def test_nothing_written_to_the_temp_dir(peer, tmp_path, monkeypatch):
     finally:
         sink.close()
     assert list(fake_tmp.iterdir()) == []
-    assert not state.exists()  # the journal is the only offline buffer
+    assert not state.exists()  # the store is the only offline buffer
 
 
 def test_the_sink_imports_no_opentelemetry_and_no_azure_sdk():
@@ -379,3 +379,106 @@ def test_agent_retries_partial_failures_alone_and_dead_letters_a_refused_event(t
     sent = Counter(peer.sent_ids())
     assert all(sent[i] == 1 for i in refused), "a refused event is not retried"
     assert failed_once and all(sent[i] == 2 for i in failed_once), "a failed item goes once more"
+
+
+def _ai_agent(tmp_path: Path, emu: Emulator, peer: AppInsightsPeer, *, max_age: str = "1h") -> tuple[AgentProcess, Path, dict[str, str]]:
+    """The real agent with the appinsights sink (``max_age`` long: only the sink's answer may dead-letter) and a file sink."""
+    env = {**QUIET_SDK_ENV, "TEST_AI_CONN": peer.connection_string}
+    sinks = (f'[[sinks]]\ntype = "appinsights"\nname = "ai"\nconnection_string_env = "TEST_AI_CONN"\n'
+             f'ca_file = "{peer.ca_file}"\ntimeout = "5s"\nmax_age = "{max_age}"\n'
+             f'[[sinks]]\ntype = "file"\nname = "file"\npath = "{tmp_path / "out.jsonl"}"\n')
+    config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state", sinks=sinks,
+                          extra='[delivery]\nretry_initial = "100ms"\nretry_max = "300ms"\n')
+    return AgentProcess(config, tmp_path / "agent.log", env=env), config, env
+
+
+def test_agent_splits_a_request_the_service_finds_too_large_and_delivers_every_record(tmp_path):
+    """413 at agent level: a batch over the peer's size limit is split until each part fits; all arrive, once."""
+    with Emulator(vms=["web-0"]) as emu, AppInsightsPeer(tmp_path) as peer:
+        peer.max_body = 3_000  # one gzip'd event with a 2,000-character random description is ~1.5 KB
+        # Four events in the first document: their records are committed together, so the
+        # dispatcher hands them to the sink as one batch.
+        ids = [emu.schedule(type="Reboot", resources=["web-0"], start_after=600, description=os.urandom(1000).hex())
+               for _ in range(4)]
+        agent, config, env = _ai_agent(tmp_path, emu, peer)
+        try:
+            wait_until(lambda: {r.get("subject") for r in read_jsonl(tmp_path / "out.jsonl")} >= set(ids), 60,
+                       "the four scheduled records in the file sink")
+            expected = {r["id"] for r in read_jsonl(tmp_path / "out.jsonl")}
+            wait_until(lambda: set(peer.event_ids()) >= expected, 60, "every record in Application Insights")
+            later = emu.schedule(type="Freeze", resources=["web-0"], start_after=600)  # and the sink goes on
+            wait_until(lambda: any(r.get("subject") == later for r in read_jsonl(tmp_path / "out.jsonl")), 60,
+                       "the later record in the file sink")
+            expected = {r["id"] for r in read_jsonl(tmp_path / "out.jsonl")}
+            wait_until(lambda: set(peer.event_ids()) >= expected, 60, "the later record in Application Insights")
+        finally:
+            assert agent.terminate() == 0
+    too_large = [r for r in peer.requests if r.status == 413]
+    assert too_large and all(len(r.envelopes) > 1 for r in too_large), "only multi-event requests were too large"
+    big = {e["data"]["baseData"]["properties"]["id"] for r in too_large for e in r.envelopes}
+    assert {e["data"]["baseData"]["properties"]["subject"] for r in too_large for e in r.envelopes} & set(ids)
+    assert all(n == 1 for n in Counter(peer.event_ids()).values()), "each event accepted once"
+    assert big <= set(peer.event_ids())
+    assert dead_letters(config, "ai", env) == []
+    assert "413 for" in agent.logs() and "sending them in two halves" in agent.logs()
+
+
+@pytest.mark.parametrize("itemized", [True, False], ids=["400_with_item_errors", "400_without_item_errors"])
+def test_agent_dead_letters_a_request_refused_for_good_and_the_rest_keeps_flowing(tmp_path, itemized):
+    """A whole-request 400 at agent level: the refused record goes to dead letters at once (not retried until
+    max_age), visible in `sefwd deadletter list`; records before and after it are delivered."""
+    def is_bad(envelope):
+        return envelope["data"]["baseData"]["properties"].get("EventType") == "Freeze"
+
+    def request_rule(envelopes):
+        # Without item errors (a gateway in front, or a body refused as a whole), whenever the bad
+        # event is in the request: the sink must find it by sending the request's events alone.
+        return Answer(400, itemized=False) if any(is_bad(e) for e in envelopes) else None
+
+    with Emulator(vms=["web-0"]) as emu, AppInsightsPeer(tmp_path) as peer:
+        # The service's own check: an invalid item is refused with 400; a request whose every item
+        # is refused is answered 400 as a whole, each item listed with its error.
+        peer.item_rule = lambda envelope: 400 if is_bad(envelope) else None
+        if not itemized:
+            peer.request_rule = request_rule
+        agent, config, env = _ai_agent(tmp_path, emu, peer, max_age="1h")
+        out = tmp_path / "out.jsonl"
+        try:
+            before = emu.schedule(type="Reboot", resources=["web-0"], start_after=600)
+            wait_until(lambda: {r["id"] for r in read_jsonl(out) if r.get("subject") == before} & set(peer.event_ids()),
+                       60, "the first record in Application Insights")
+            if itemized:  # alone in its request: the service answers 400 to the whole request
+                bad = emu.schedule(type="Freeze", resources=["web-0"], start_after=600)
+            else:  # with a good one in the same document (the emulator's lock held), so in one request
+                with emu.platform.lock:
+                    bad = emu.schedule(type="Freeze", resources=["web-0"], start_after=600)
+                    emu.schedule(type="Redeploy", resources=["web-0"], start_after=600)
+            wait_until(lambda: any(r.get("subject") == bad for r in read_jsonl(out)), 60, "the bad record in the file sink")
+            refused = {r["id"] for r in read_jsonl(out) if r.get("subject") == bad}
+            wait_until(lambda: {d["record"]["id"] for d in dead_letters(config, "ai", env)} >= refused, 30,
+                       "the refused record in dead letters")
+            after = emu.schedule(type="Reboot", resources=["web-0"], start_after=600)  # the sink goes on
+            wait_until(lambda: any(r.get("subject") == after for r in read_jsonl(out)), 60, "the last record in the file sink")
+            expected = {r["id"] for r in read_jsonl(out)} - refused
+            wait_until(lambda: set(peer.event_ids()) >= expected, 60, "every other record in Application Insights")
+            sent_when_dead = Counter(peer.sent_ids())
+        finally:
+            assert agent.terminate() == 0
+    dead = dead_letters(config, "ai", env)
+    assert {d["record"]["id"] for d in dead} == refused
+    assert all(d["reason"] == ("item_400" if itemized else "http_400") for d in dead), dead
+    refusals = [r for r in peer.requests if r.status == 400]
+    ids_in = lambda r: {e["data"]["baseData"]["properties"]["id"] for e in r.envelopes}  # noqa: E731
+    if itemized:
+        assert [ids_in(r) for r in refusals] == [refused]  # the whole request refused, once
+    else:
+        assert [len(r.envelopes) for r in refusals] == [2, 1]  # the request, then the bad event alone
+        assert all(refused <= ids_in(r) for r in refusals)
+    sent = Counter(peer.sent_ids())
+    # Not retried until max_age: sent once (twice when the answer named no item), never after.
+    assert all(sent[i] == (1 if itemized else 2) for i in refused), sent
+    assert all(sent[i] == sent_when_dead[i] for i in refused)
+    accepted = Counter(peer.event_ids())
+    assert not refused & set(accepted)
+    assert all(n == 1 for n in accepted.values()), "accepted events never go again"
+    assert "refused" in agent.logs() and "max_age_exceeded" not in agent.logs()

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 import trustme
 from standardwebhooks.webhooks import Webhook
@@ -477,7 +478,7 @@ def test_a_receiver_that_does_not_allow_us_gets_nothing_and_records_wait(receive
     receiver.set_policy(lambda request: answer if request.method == "OPTIONS" else 200)
     sink = make_sink(url=receiver.url, handshake=True, origin="sender.example.com")
     with caplog.at_level(logging.ERROR, logger="sinks.webhook"):
-        assert sink.send([record(1)]) == Retry(reason="not_allowed")
+        assert sink.send([record(1)]) == Retry(reason="handshake_refused")
     assert [r.method for r in receiver.wait_for(1)] == ["OPTIONS"]
     assert "does not allow deliveries" in caplog.text
     receiver.set_policy(handshaking("*"))  # the receiver's owner adds us
@@ -495,16 +496,94 @@ def test_the_allowed_rate_spaces_the_requests(receiver, make_sink):
     assert len(posts) == 3 and posts[-1].received_at - posts[0].received_at >= 1.5
 
 
-def test_a_withdrawn_permission_is_asked_for_again(receiver, make_sink):
+def test_a_withdrawn_permission_keeps_the_records_waiting_and_is_asked_for_again(receiver, make_sink, caplog):
     receiver.set_policy(handshaking("*"))
     sink = make_sink(url=receiver.url, handshake=True)
     assert sink.send([record(1)]) == Ok()
-    receiver.set_policy(lambda request: Reply(200, {"WebHook-Allowed-Origin": "*"}) if request.method == "OPTIONS" else 403)
-    assert isinstance(sink.send([record(2)]), Reject)
+    # The receiver withdraws its permission: deliveries get 403 and the handshake is refused.
+    receiver.set_policy(lambda request: 403 if request.method == "OPTIONS" else Reply(403, body=b"origin not allowed"))
+    with caplog.at_level(logging.ERROR, logger="sinks.webhook"):
+        assert sink.send([record(2)]) == Retry(reason="http_403_handshake_again")  # not a dead letter
+        assert sink.send([record(2)]) == Retry(reason="handshake_refused")  # asked again: still refused
+        assert sink.send([record(2)]) == Retry(reason="handshake_refused")  # nothing posted while refused
+    assert "may have withdrawn its permission" in caplog.text and "does not allow deliveries" in caplog.text
+    receiver.set_policy(handshaking("*"))  # granted again
+    assert sink.send([record(2)]) == Ok()
+    receiver.wait_for(7)
+    assert [r.method for r in receiver.requests] == ["OPTIONS", "POST", "POST", "OPTIONS", "OPTIONS", "OPTIONS", "POST"]
+    assert [r.json()["id"] for r in receiver.requests if r.method == "POST"] == ["rec-1", "rec-2", "rec-2"]
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_with_the_handshake_a_refused_delivery_waits_even_when_the_origin_is_allowed(receiver, make_sink, status):
+    """The receiver grants the origin but refuses the POST (say an expired token in 'headers'): records wait."""
+    receiver.set_policy(lambda request: Reply(200, {"WebHook-Allowed-Origin": "*"}) if request.method == "OPTIONS"
+                        else Reply(status, {"Retry-After": "2"}))
+    sink = make_sink(url=receiver.url, handshake=True)
+    for _ in range(2):
+        assert sink.send([record(1)]) == Retry(reason=f"http_{status}_handshake_again", delay=2.0)
     receiver.set_policy(handshaking("*"))
-    assert sink.send([record(3)]) == Ok()
-    receiver.wait_for(5)
-    assert [r.method for r in receiver.requests] == ["OPTIONS", "POST", "POST", "OPTIONS", "POST"]
+    assert sink.send([record(1)]) == Ok()
+    receiver.wait_for(6)
+    assert [r.method for r in receiver.requests] == ["OPTIONS", "POST"] * 3
+
+
+def test_agent_keeps_records_while_the_permission_is_withdrawn_then_delivers_them(receiver, tmp_path):
+    """The real agent: a 403 after the permission is withdrawn dead-letters nothing; the records wait
+    (status says why) until the receiver allows the origin again, then arrive."""
+    from forwarder.emulator import Emulator
+    from tests.agent import AgentProcess, dead_letters, read_jsonl, wait_until, write_config
+    from tests.integration.test_cli import sefwd
+
+    allowed = {"yes": True}
+    accepted: list[str] = []
+    refused: list[str] = []
+
+    def policy(request):
+        if request.method == "OPTIONS":
+            return Reply(200, {"WebHook-Allowed-Origin": "vm-0.example.com"}) if allowed["yes"] else Reply(403)
+        (accepted if allowed["yes"] else refused).append(request.json()["id"])
+        return 200 if allowed["yes"] else Reply(403, body=b"origin vm-0.example.com is no longer allowed")
+
+    receiver.set_policy(policy)
+    out = tmp_path / "out.jsonl"
+    with Emulator(vms=["vm-0"]) as emu:
+        sinks = (f'[[sinks]]\ntype = "file"\nname = "file"\npath = "{out}"\n'
+                 f'[[sinks]]\ntype = "webhook"\nname = "hook"\nurl = "{receiver.url}"\n'
+                 'handshake = true\norigin = "vm-0.example.com"\nmax_age = "1h"\n')
+        config = write_config(tmp_path / "config.toml", emu.url, tmp_path / "state", sinks=sinks,
+                              extra='[delivery]\nretry_initial = "100ms"\nretry_max = "300ms"\n')
+        agent = AgentProcess(config, tmp_path / "agent.log")
+        try:
+            first = emu.schedule(type="Reboot", resources=["vm-0"], start_after=600)
+            wait_until(lambda: {r["id"] for r in read_jsonl(out) if r.get("subject") == first} & set(accepted), 60,
+                       "the first event at the receiver")
+            allowed["yes"] = False  # the receiver's owner withdraws the permission
+            second = emu.schedule(type="Freeze", resources=["vm-0"], start_after=600)
+            wait_until(lambda: refused, 60, "a delivery refused with 403")
+            after = len(receiver.requests)
+            wait_until(lambda: sum(r.method == "OPTIONS" for r in receiver.requests[after:]) >= 3, 60,
+                       "the handshake asked again, more than once")
+
+            def hook_status():
+                sinks_ = orjson.loads(sefwd("status", "--config", str(config), "--json").stdout).get("agent", {})
+                hook = (sinks_ or {}).get("sinks", {}).get("hook", {})
+                return hook if hook.get("last_error") == "handshake_refused" else None
+            waiting = wait_until(hook_status, 60, "sefwd status naming the refused handshake")
+            assert waiting["backlog"] >= 1 and waiting["dead_lettered"] == 0
+            assert "does not allow deliveries from 'vm-0.example.com'" in agent.logs()
+            assert "may have withdrawn its permission" in agent.logs()
+            assert dead_letters(config, "hook") == []
+            assert not any(r.get("subject") == second for r in read_jsonl(out) if r["id"] in accepted)
+            allowed["yes"] = True  # allowed again
+            wait_until(lambda: {r["id"] for r in read_jsonl(out)} <= set(accepted), 60, "every record accepted")
+        finally:
+            assert agent.terminate() == 0
+    assert dead_letters(config, "hook") == []
+    assert set(refused) <= set(accepted)
+    # At least once: only a record that was refused goes twice; everything else exactly once.
+    assert all(accepted.count(i) == 1 for i in set(accepted) - set(refused))
+    assert all(accepted.count(i) <= 2 for i in accepted)
 
 
 def test_agent_handshakes_then_delivers_binary_events_a_cloudevents_receiver_understands(receiver, tmp_path):
