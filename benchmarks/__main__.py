@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from benchmarks.common import MODES, machine_info, results_file
+from benchmarks.footprint import HOSTILE_RETURN_MIB, HOSTILE_RSS_GOAL_MIB
 from benchmarks.plots import draw
 
 BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send")
@@ -40,6 +41,9 @@ SUMMARY: dict[str, dict[str, str] | str] = {
     "cpu_ms_per_poll": {"sefwd": "poll_cost.cpu_ms_per_poll.sefwd", "seed_sample": "poll_cost.cpu_ms_per_poll.seed_sample"},
     "rss_mib": {"stdout_only": "footprint.rss_mib.stdout_only", "all_sinks": "footprint.rss_mib.all_sinks"},
     "startup_ms": "footprint.startup_ms.stdout_only",
+    # A stdout-only agent while IMDS serves oversized, nested, out-of-range and huge documents (issue 11).
+    "hostile_rss_mib": {"baseline": "footprint.hostile_rss_mib.baseline_mib", "peak": "footprint.hostile_rss_mib.peak_mib",
+                        "after": "footprint.hostile_rss_mib.after_mib"},
     "detection_latency_ms": {"p50": "latency.detection_latency_ms.p50", "p99": "latency.detection_latency_ms.p99",
                              "poll_interval_ms": "latency.detection_latency_ms.poll_interval_ms"},
     "processing_latency_ms": {"p50": "latency.processing_latency_ms.p50", "p99": "latency.processing_latency_ms.p99"},
@@ -93,6 +97,9 @@ GOALS: list[tuple[str, str, Callable[[dict[str, Any]], bool | None]]] = [
     ("rss_mib.stdout_only", "<= 40 MiB", lambda s: _check(s, ["rss_mib.stdout_only"], lambda a: a <= 40)),
     ("rss_mib.all_sinks", "<= 120 MiB", lambda s: _check(s, ["rss_mib.all_sinks"], lambda a: a <= 120)),
     ("startup_ms", "<= 400 ms", lambda s: _check(s, ["startup_ms"], lambda a: a <= 400)),
+    ("hostile_rss_mib.peak", f"< {HOSTILE_RSS_GOAL_MIB:g} MiB, and after within {HOSTILE_RETURN_MIB:g} MiB of baseline",
+     lambda s: _check(s, ["hostile_rss_mib.peak", "hostile_rss_mib.after", "hostile_rss_mib.baseline"],
+                      lambda peak, after, base: peak < HOSTILE_RSS_GOAL_MIB and after <= base + HOSTILE_RETURN_MIB)),
     ("detection_latency_ms.p99", "<= 1.05 x poll interval + 20 ms",
      lambda s: _check(s, ["detection_latency_ms.p99", "detection_latency_ms.poll_interval_ms"], lambda p, i: p <= 1.05 * i + 20)),
     ("processing_latency_ms.p99", "<= 15 ms", lambda s: _check(s, ["processing_latency_ms.p99"], lambda a: a <= 15)),

@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from forwarder.errors import DocumentError
+from forwarder.logutil import OnceLog
 
 # The IMDS field names, in the order the seeds show them; everything else is kept as "extra".
 KNOWN_FIELDS = (
@@ -26,6 +27,19 @@ KNOWN_FIELDS = (
 )
 _STRING_FIELDS = ("EventType", "ResourceType", "EventStatus", "Description", "EventSource")
 log = logging.getLogger(__name__)
+# A value bounded or dropped is said once per event and value, not at every poll of the same
+# document (nor again at the next start); at most 20 such lines a minute in all.
+warn_once = OnceLog(log)
+# (key, message, args) of such warnings, said only once the whole document parsed (a refused
+# document is reported as refused, not value by value).
+Notes = list[tuple[object, str, tuple[object, ...]]]
+
+
+def _note(notes: Notes | None, key: object, msg: str, *args: object) -> None:
+    if notes is None:
+        warn_once.warning(key, msg, *args)
+    else:
+        notes.append((key, msg, args))
 
 # Bounds on what the platform can send, so every later stage (diff, records, orjson, sinks) can
 # handle any document that parses. IMDS sends GUID EventIds, small incarnation counters, a
@@ -44,8 +58,13 @@ _CONTROL = frozenset(chr(c) for c in (*range(0x20), 0x7F))
 
 def parse_not_before(raw: object) -> datetime | None:
     """RFC 1123 ("Mon, 19 Sep 2016 18:29:47 GMT"), ISO 8601 ("2016-09-19T18:29:47Z") or "" → UTC datetime or None."""
+    return _not_before(raw)[0]
+
+
+def _not_before(raw: object) -> tuple[datetime | None, str | None]:
+    """(UTC time or None, why a non-empty text gave None: None if it did not)."""
     if not isinstance(raw, str) or not raw.strip():
-        return None
+        return None, None
     text = raw.strip()
     try:
         parsed = email.utils.parsedate_to_datetime(text)
@@ -53,15 +72,17 @@ def parse_not_before(raw: object) -> datetime | None:
         try:
             parsed = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
         except ValueError:
-            return None
+            return None, "is neither an RFC 1123 nor an ISO 8601 time"
     if parsed.tzinfo is None:  # IMDS times are UTC even when the zone is left out
         parsed = parsed.replace(tzinfo=timezone.utc)
     try:
         utc = parsed.astimezone(timezone.utc)
     except (OverflowError, ValueError):  # year 1 or 9999 with an offset leaves datetime's range
-        return None
+        return None, "leaves the representable date range when converted to UTC"
     # Outside these years it is no real notice; null (NotBeforeRaw keeps the text) is safe downstream.
-    return utc if NOT_BEFORE_YEARS[0] <= utc.year <= NOT_BEFORE_YEARS[1] else None
+    if not NOT_BEFORE_YEARS[0] <= utc.year <= NOT_BEFORE_YEARS[1]:
+        return None, f"is outside the years {NOT_BEFORE_YEARS[0]}-{NOT_BEFORE_YEARS[1]}"
+    return utc, None
 
 
 def _bounded(value: Any, depth: int) -> tuple[Any, bool]:
@@ -90,7 +111,7 @@ def _bounded(value: Any, depth: int) -> tuple[Any, bool]:
     return str(value), True
 
 
-def bounded_extra(obj: Mapping[str, Any], where: str) -> dict[str, Any]:
+def bounded_extra(obj: Mapping[str, Any], where: str, event_id: str = "", notes: Notes | None = None) -> dict[str, Any]:
     """The event's unknown fields, each bounded in depth, number width and size (cuts are logged)."""
     extra: dict[str, Any] = {}
     cut_fields: list[str] = []
@@ -108,8 +129,9 @@ def bounded_extra(obj: Mapping[str, Any], where: str) -> dict[str, Any]:
         if cut:
             cut_fields.append(name[:64])
     if cut_fields:
-        log.warning("%s: unknown field(s) %s kept truncated (deeper than %d levels, wider than 64-bit numbers "
-                    "or larger than %d bytes)", where, ", ".join(cut_fields), EXTRA_DEPTH_MAX, EXTRA_FIELD_MAX)
+        _note(notes, ("extra", event_id or where, tuple(cut_fields), len(orjson.dumps(extra))),
+              "%s: unknown field(s) %s kept truncated (deeper than %d levels, wider than 64-bit numbers or larger "
+              "than %d bytes)", where, ", ".join(cut_fields), EXTRA_DEPTH_MAX, EXTRA_FIELD_MAX)
     return extra
 
 
@@ -135,13 +157,19 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:80] + "…"
 
 
-def _duration(value: object, where: str) -> tuple[int | None, str | None]:
+def _key_text(text: str | None) -> tuple[str, int] | None:
+    """What a once-per-value warning remembers of a value: a bounded prefix and the length."""
+    return None if text is None else (text[:128], len(text))
+
+
+def _duration(value: object, where: str, event_id: str, label: str, notes: Notes | None) -> tuple[int | None, str | None]:
     """DurationInSeconds within what the platform sends, else None with the raw text kept."""
     number = _int_or_none(value, f"{where}.DurationInSeconds")
     if number is None or DURATION_RANGE[0] <= number <= DURATION_RANGE[1]:
         return number, None
     raw = str(value)[:64]
-    log.warning("%s.DurationInSeconds %s is beyond what IMDS sends; kept only as DurationInSecondsRaw", where, raw)
+    _note(notes, ("duration", event_id, raw), "%s: DurationInSeconds %s is beyond what IMDS sends (%d to %d); "
+          "DurationInSeconds is null, the value kept as DurationInSecondsRaw", label, raw, *DURATION_RANGE)
     return None, raw
 
 
@@ -186,8 +214,11 @@ class Document:
         return {e.event_id: e for e in self.events}
 
 
-def parse_event(obj: object, index: int) -> Event:
-    """Parse one event object; only a missing EventId or wrong types are errors."""
+def parse_event(obj: object, index: int, notes: Notes | None = None) -> Event:
+    """Parse one event object; only a missing EventId or wrong types are errors.
+
+    A value bounded or dropped is warned about once (see ``warn_once``), or added to ``notes``.
+    """
     where = f"Events[{index}]"
     if not isinstance(obj, dict):
         raise DocumentError(f"{where} must be an object, got {type(obj).__name__}")
@@ -198,6 +229,7 @@ def parse_event(obj: object, index: int) -> Event:
     if len(event_id) > EVENT_ID_MAX or any(ch in _CONTROL for ch in event_id):
         raise DocumentError(f"{where}.EventId must be at most {EVENT_ID_MAX} characters without control "
                             f"characters, got {_short(event_id)}")
+    label = f"{where} (EventId {event_id})"  # for warnings: which event, in words an operator can grep
     strings: dict[str, str | None] = {}
     for name in _STRING_FIELDS:
         value = obj.get(name)
@@ -212,8 +244,12 @@ def parse_event(obj: object, index: int) -> Event:
     not_before_raw = obj.get("NotBefore")
     if not_before_raw is not None and not isinstance(not_before_raw, str):
         raise DocumentError(f"{where}.NotBefore must be a string, got {_short(not_before_raw)}")
-    duration, duration_raw = _duration(obj.get("DurationInSeconds"), where)
-    extra = bounded_extra(obj, where)
+    not_before, why = _not_before(not_before_raw)
+    if why is not None:
+        _note(notes, ("not_before", event_id, _key_text(not_before_raw)), "%s: NotBefore %s %s; NotBefore is null, "
+              "the text kept as NotBeforeRaw", label, _short(not_before_raw), why)
+    duration, duration_raw = _duration(obj.get("DurationInSeconds"), where, event_id, label, notes)
+    extra = bounded_extra(obj, label, event_id, notes)
     # What the differ compares: the known fields as sent (bounded above where it matters) and the
     # bounded unknown ones, so no comparison or digest walks an unbounded structure.
     raw = {k: obj[k] for k in KNOWN_FIELDS if k in obj}
@@ -227,7 +263,7 @@ def parse_event(obj: object, index: int) -> Event:
         resources=tuple(resources),
         status=strings["EventStatus"],
         not_before_raw=not_before_raw,
-        not_before=parse_not_before(not_before_raw),
+        not_before=not_before,
         description=strings["Description"],
         event_source=strings["EventSource"],
         duration_seconds=duration,
@@ -258,12 +294,16 @@ def parse_document(body: bytes | str | Mapping[str, Any]) -> Document:
     if not isinstance(events, list):
         raise DocumentError(f"'Events' must be an array, got {'null' if events is None else type(events).__name__}")
     incarnation: int | str | None
+    notes: Notes = []
     raw_inc = obj.get("DocumentIncarnation")
     try:
         incarnation = _int_or_none(raw_inc, "DocumentIncarnation")
         if incarnation is not None and not INT64[0] <= incarnation <= INT64[1]:
             # Wider than 64 bits (JSON parsers read such integers as floats): kept as opaque text.
             raw_inc, incarnation = str(raw_inc), None
+            if len(raw_inc) <= INCARNATION_TEXT_MAX:
+                notes.append((("incarnation", raw_inc), "DocumentIncarnation %s is wider than 64 bits; kept as "
+                              "an opaque text", (raw_inc,)))
             raise DocumentError("wider than 64 bits")
     except DocumentError:
         if not isinstance(raw_inc, str):
@@ -271,10 +311,12 @@ def parse_document(body: bytes | str | Mapping[str, Any]) -> Document:
         if len(raw_inc) > INCARNATION_TEXT_MAX or any(ch in _CONTROL for ch in raw_inc):
             raise DocumentError(f"DocumentIncarnation must be a number or a short text, got {_short(raw_inc)}") from None
         incarnation = raw_inc  # an opaque string is still a usable incarnation
-    parsed = tuple(parse_event(e, i) for i, e in enumerate(events))
+    parsed = tuple(parse_event(e, i, notes) for i, e in enumerate(events))
     seen: set[str] = set()
     for e in parsed:
         if e.event_id in seen:
             raise DocumentError(f"EventId {e.event_id!r} appears twice")
         seen.add(e.event_id)
+    for key, msg, args in notes:
+        warn_once.warning(key, msg, *args)
     return Document(incarnation=incarnation, events=parsed)

@@ -117,3 +117,56 @@ class RateLimitedLog:
     def clear(self, key: str) -> None:
         """The condition is over: the next occurrence is logged at once."""
         self._last.pop(key, None)
+
+
+class OnceLog:
+    """Logs a warning once per key, and at most ``burst`` such lines per ``interval`` in all.
+
+    For problems found in input that is read again and again (every poll of one IMDS document, the
+    saved document at each start): the same bad value of the same event is said once, and a
+    stream of ever-new bad values cannot flood the log (the next line says how many were held back).
+    Memory is bounded: the ``keep`` most recent keys are remembered.
+    """
+
+    def __init__(self, logger: logging.Logger, *, keep: int = 1024, burst: int = 20, interval: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log = logger
+        self._keep = keep
+        self._burst = burst
+        self._interval = interval
+        self._clock = clock
+        self._seen: dict[object, None] = {}  # insertion-ordered: the oldest key is dropped first
+        self._window: tuple[float, int] = (float("-inf"), 0)  # (start, lines logged in it)
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def warning(self, key: object, msg: str, *args: object) -> bool:
+        """Log ``msg`` unless ``key`` was seen (or the burst is spent); True if it was logged."""
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen[key] = None
+            if len(self._seen) > self._keep:
+                del self._seen[next(iter(self._seen))]
+            now = self._clock()
+            start, count = self._window
+            if now - start >= self._interval:
+                start, count = now, 0
+            if count >= self._burst:
+                self._window = (start, count)
+                self._held += 1
+                return False
+            self._window = (start, count + 1)
+            held, self._held = self._held, 0
+        if held:
+            msg += " (%d similar warning(s) held back before this one)"
+            args = (*args, held)
+        self._log.warning(msg, *args)
+        return True
+
+    def clear(self) -> None:
+        """Forget every key (tests; a key is otherwise said once per process)."""
+        with self._lock:
+            self._seen.clear()
+            self._window = (float("-inf"), 0)
+            self._held = 0

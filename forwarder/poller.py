@@ -256,7 +256,10 @@ class Poller:
     def refresh_identity(self) -> None:
         """Re-read instance metadata (rarely); keep the old identity if IMDS says nothing new."""
         try:
-            compute = self.imds.compute()
+            # Inside the poll cycle: bounded by one request's deadline, not the 90 s a command may
+            # retry for; polling stops meanwhile, and a Spot eviction gives 30 s. The old identity
+            # stays until the next refresh.
+            compute = self.imds.compute(deadline=float(getattr(self.imds, "timeout", 5.0)))
         except ImdsError as exc:
             log.warning("could not refresh instance metadata: %s", exc)
             return

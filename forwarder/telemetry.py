@@ -453,12 +453,16 @@ class Telemetry(NullTelemetry):
                                       "1 when a sink's worker is dead or its sends have failed for long")
         meter.create_observable_gauge("sefwd.healthy", [healthy], "1", "1 when /healthz says ok")
 
-        def cycle_errors(options: CallbackOptions) -> list[Observation]:
-            poller = self.health._poller
-            return [Observation(poller.stats.cycle_errors)] if poller is not None else []
+        def poller_stat(field: str) -> Callable[[CallbackOptions], list[Observation]]:
+            def observe(options: CallbackOptions) -> list[Observation]:
+                poller = self.health._poller
+                return [Observation(getattr(poller.stats, field))] if poller is not None else []
+            return observe
 
-        meter.create_observable_counter("sefwd.poller.cycle_errors", [cycle_errors], "1",
+        meter.create_observable_counter("sefwd.poller.cycle_errors", [poller_stat("cycle_errors")], "1",
                                         "Unexpected exceptions inside a poll cycle (logged; polling went on)")
+        meter.create_observable_counter("sefwd.poller.bad_documents", [poller_stat("bad_documents")], "1",
+                                        "IMDS documents refused as bad (logged; the last good one stays the baseline)")
 
     def _snapshot(self) -> Mapping[str, Any]:
         if self._snapshot_fn is None:

@@ -12,8 +12,9 @@ from typing import Any
 
 import orjson
 
+from forwarder.emulator.faults import FAULT_KINDS, FAULT_PATHS, OUT_OF_RANGE_FIELDS
 from forwarder.errors import ConfigError, ForwarderError
-from forwarder.units import parse_duration
+from forwarder.units import parse_duration, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -75,18 +76,38 @@ def register(subparsers: Any) -> None:
     u.add_argument("--resources", nargs="+", metavar="VM")
     u.add_argument("--not-before")
     u.add_argument("--start-after")
-    f = actions.add_parser("fault", help="inject a fault")
-    f.add_argument("kind", choices=["status", "slow", "hang", "drop", "malformed", "html"])
-    f.add_argument("--count", type=int, default=1)
-    f.add_argument("--status", type=int)
-    f.add_argument("--retry-after")
-    f.add_argument("--delay")
-    f.add_argument("--vm")
-    f.add_argument("--path", default="scheduledevents")
-    f.add_argument("--method")
+    f = actions.add_parser("fault", help="inject a fault (every kind of the control API, with its options)")
+    f.add_argument("kind", choices=FAULT_KINDS)
+    f.add_argument("--count", type=int, default=1, help="matching responses it serves (default 1)")
+    f.add_argument("--status", type=int, help="status: the HTTP status (default 500); html: default 200")
+    f.add_argument("--retry-after", help="status: the Retry-After header (429 defaults to 1)")
+    f.add_argument("--delay", help="slow/hang: how long; drip: between bytes (1s); interim: between 1xx answers (100ms)")
+    f.add_argument("--vm", help="only this VM's requests (default any)")
+    f.add_argument("--path", default="scheduledevents", choices=FAULT_PATHS, help="which endpoint (default scheduledevents)")
+    f.add_argument("--method", help="only this HTTP method")
+    f.add_argument("--size", type=_size, help='oversized: the answer\'s size, e.g. "64MiB" (the default) or bytes')
+    f.add_argument("--chunked", action="store_true", help="oversized: chunked, without a Content-Length")
+    f.add_argument("--depth", type=int, help="nested: nesting levels of the unknown field (default 10000)")
+    f.add_argument("--statuses", type=_statuses, metavar="CODES",
+                   help="interim: the 1xx answers sent first, comma-separated (default 100,103)")
+    f.add_argument("--field", choices=OUT_OF_RANGE_FIELDS, help="out_of_range: which values (default all)")
     actions.add_parser("reset", help="drop events, faults and counters")
     sc = actions.add_parser("scenario", help="run a scenario (built-in name or a file on the emulator's host)")
     sc.add_argument("name")
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _statuses(text: str) -> list[int]:
+    try:
+        return [int(code) for code in text.replace(" ", "").split(",") if code]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 1xx codes separated by commas, e.g. 100,103, got {text!r}") from None
 
 
 def _setup_logging(level_name: str | None) -> None:
@@ -204,7 +225,8 @@ def _ctl(args: argparse.Namespace) -> int:
     elif action == "fault":
         spec = {k: v for k, v in {
             "kind": args.kind, "count": args.count, "status": args.status, "retry_after": args.retry_after,
-            "delay": args.delay, "vm": args.vm, "path": args.path, "method": args.method,
+            "delay": args.delay, "vm": args.vm, "path": args.path, "method": args.method, "size": args.size,
+            "chunked": args.chunked or None, "depth": args.depth, "statuses": args.statuses, "field": args.field,
         }.items() if v is not None}
         status, out = _ctl_request(args.url, "POST", "faults", spec)
     elif action == "reset":

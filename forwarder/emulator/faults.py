@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from forwarder.emulator.model import SpecError
-from forwarder.units import parse_duration
+from forwarder.units import parse_duration, parse_size
 
 # status: an error status (500, 410, 429, 503 ...) with optional Retry-After.
 # slow: answer normally after `delay` seconds.  hang: hold the request for `delay` seconds (or until
@@ -99,6 +99,11 @@ class Fault:
         vm = spec.get("vm")
         size, depth = spec.get("size"), spec.get("depth")
         if kind == "oversized":
+            if isinstance(size, str):  # "64MiB" in a scenario file or the control API, as in the config
+                try:
+                    size = parse_size(size)
+                except ValueError as exc:
+                    raise SpecError(f"fault size: {exc}") from None
             size = _positive_int("size", 64 * 1024 * 1024 if size is None else size, MAX_FAULT_SIZE)
         if kind == "nested":
             depth = _positive_int("depth", 10_000 if depth is None else depth, MAX_DEPTH)

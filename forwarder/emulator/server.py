@@ -598,8 +598,9 @@ class Emulator:
     # -- faults, stats, reset -----------------------------------------------------------------
 
     def inject_fault(self, kind: str | None = None, **options: Any) -> None:
-        """Queue a fault: kind status|slow|hang|drop|malformed|html; count, status, retry_after, delay,
-        vm, path (scheduledevents|instance|token|versions|any), method."""
+        """Queue a fault: kind status|slow|hang|drop|malformed|html|drip|interim|oversized|nested|out_of_range
+        (forwarder.emulator.faults); count, status, retry_after, delay, vm, path
+        (scheduledevents|instance|token|versions|any), method, size, chunked, depth, statuses, field."""
         self.faults.add(Fault.from_spec({"kind": kind, **options}))
 
     def stats(self) -> dict[str, Any]:

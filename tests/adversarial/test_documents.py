@@ -52,23 +52,36 @@ def test_refused_document_changes_nothing(tmp_path: Path, imds: tuple[Imds, Host
 
 
 BIG = b"123456789012345678901234567890"
+# name: (fragment of the hostile event, the field that keeps it, what the log must say, DocumentIncarnation)
 BOUNDED = {
-    "duration_overflow": (b'"DurationInSeconds": ' + BIG, "DurationInSecondsRaw"),
-    "duration_u64": (b'"DurationInSeconds": 18446744073709551615', "DurationInSecondsRaw"),
-    "not_before_year_1": (b'"NotBefore": "0001-01-01T00:00:00+01:00"', "NotBeforeRaw"),
-    "not_before_year_9999": (b'"NotBefore": "9999-12-31T23:59:59-01:00"', "NotBeforeRaw"),
-    "nested_unknown_field": (b'"Future": ' + b"[" * 300 + b"]" * 300, "Future"),
+    "duration_overflow": (b'"DurationInSeconds": ' + BIG, "DurationInSecondsRaw",
+                          "DurationInSeconds 1.2345678901234568e+29 is beyond what IMDS sends", b"2"),
+    "duration_u64": (b'"DurationInSeconds": 18446744073709551615', "DurationInSecondsRaw",
+                     "DurationInSeconds 18446744073709551615 is beyond what IMDS sends", b"2"),
+    "not_before_year_1": (b'"NotBefore": "0001-01-01T00:00:00+01:00"', "NotBeforeRaw",
+                          "NotBefore '0001-01-01T00:00:00+01:00' leaves the representable date range", b"2"),
+    "not_before_year_9999": (b'"NotBefore": "9999-12-31T23:59:59-01:00"', "NotBeforeRaw",
+                             "NotBefore '9999-12-31T23:59:59-01:00' leaves the representable date range", b"2"),
+    "nested_unknown_field": (b'"Future": ' + b"[" * 300 + b"]" * 300, "Future",
+                             "unknown field(s) Future kept truncated", b"2"),
+    # Wider than 64 bits: orjson refused it at serialization (records and every later heartbeat).
+    "incarnation_u64_plus_1": (b'"Description": "wide incarnation"', "DocumentIncarnation",
+                               "DocumentIncarnation 1.8446744073709552e+19 is wider than 64 bits", b"18446744073709551617"),
 }
+
+
+def heartbeats(out: Path) -> list[dict[str, Any]]:
+    return [r for r in read_jsonl(out) if r["type"] == "forwarder.heartbeat"]
 
 
 @pytest.mark.parametrize("name", sorted(BOUNDED))
 def test_out_of_range_values_are_bounded_and_the_watch_goes_on(tmp_path: Path, imds: tuple[Imds, HostileServer],
                                                                 name: str) -> None:
     handler, server = imds
-    fragment, field = BOUNDED[name]
-    body = (b'{"DocumentIncarnation": 2, "Events": [{"EventId": "%s", "EventType": "Reboot", "ResourceType": '
+    fragment, field, says, incarnation = BOUNDED[name]
+    body = (b'{"DocumentIncarnation": %s, "Events": [{"EventId": "%s", "EventType": "Reboot", "ResourceType": '
             b'"VirtualMachine", "Resources": ["hostile-vm"], "EventStatus": "Scheduled", '
-            b'"NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT", %s}]}') % (EVENT.encode(), fragment)
+            b'"NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT", %s}]}') % (incarnation, EVENT.encode(), fragment)
     if fragment.startswith(b'"NotBefore"'):
         body = body.replace(b'"NotBefore": "Mon, 19 Sep 2016 18:29:47 GMT", ', b"")
     out = tmp_path / "out.jsonl"
@@ -81,15 +94,22 @@ def test_out_of_range_values_are_bounded_and_the_watch_goes_on(tmp_path: Path, i
         data = updated[0]["data"]
         assert field in data or field in data["Extra"], data
         # Heartbeats carry the incarnation and keep coming: the serialization that used to fail goes on.
-        beats = len([r for r in read_jsonl(out) if r["type"] == "forwarder.heartbeat"])
-        wait_until(lambda: len([r for r in read_jsonl(out) if r["type"] == "forwarder.heartbeat"]) > beats + 1, 60,
-                   "heartbeats after the hostile document")
+        beats = len(heartbeats(out))
+        wait_until(lambda: len(heartbeats(out)) > beats + 1, 60, "heartbeats after the hostile document")
+        assert heartbeats(out)[-1]["data"]["DocumentIncarnation"] == data["DocumentIncarnation"]
+        # The log says what was wrong, once, not at every poll of the same document.
+        wait_until(lambda: says in agent.logs(), 30, f"the log to say {says!r}")
+        assert handler.bad_count >= 3 and agent.logs().count(says) == 1, agent.logs()[-3000:]
         handler.phase = "good2"
         wait_until(lambda: ("scheduledevent.started", EVENT) in scheduled_records(out), 60, "the next good document")
         assert agent.alive(), agent.logs()[-3000:]
         kinds = [k for k, _ in scheduled_records(out)]
         assert kinds[0] == "scheduledevent.scheduled" and kinds[-1] == "scheduledevent.started"
         assert "canceled" not in " ".join(kinds) and "Traceback" not in agent.logs()
+        if name.startswith("incarnation"):
+            assert data["DocumentIncarnation"] == "1.8446744073709552e+19"  # kept as an opaque text
+            wait_until(lambda: heartbeats(out)[-1]["data"]["DocumentIncarnation"] == 2, 30,
+                       "heartbeats with the next good document's incarnation")
     finally:
         assert agent.terminate() == 0, agent.logs()[-3000:]
 

@@ -255,3 +255,33 @@ def test_an_exception_inside_the_cycle_is_logged_counted_and_survived(
         assert agent.logs().count("unexpected error in the poll cycle") <= 2
     finally:
         assert agent.terminate() == 0, agent.logs()[-3000:]
+
+
+def test_failing_instance_metadata_does_not_hold_up_polling(tmp_path: Path, imds: tuple[Imds, HostileServer]) -> None:
+    handler, server = imds
+    serve = handler.__call__
+    compute_failures = []
+
+    def failing_compute(req: Request) -> Reply:
+        if "/metadata/instance" in req.target and handler.phase != "good1":
+            compute_failures.append(req.at)
+            return Reply.json({"error": "internal"}, status=500)
+        return serve(req)
+
+    server.handler = failing_compute
+    # The identity refresh runs inside the poll cycle; it used to retry a failing compute for up to
+    # 90 s, with no Scheduled Events poll meanwhile (a Spot eviction gives 30 s of notice).
+    agent = start_agent(tmp_path, server, env={"SEFWD_IMDS_COMPUTE_REFRESH": "1s"})
+    out = tmp_path / "out.jsonl"
+    try:
+        wait_until(lambda: scheduled_records(out), 60, "the first good document")
+        handler.phase = "bad"  # Scheduled Events still serves good document 1; compute fails
+        wait_until(lambda: len(compute_failures) >= 3, 60, "three failed instance metadata reads")
+        handler.phase = "good2"
+        wait_until(lambda: len(scheduled_records(out)) >= 2, 20,
+                   "the next document detected while instance metadata keeps failing")
+        assert scheduled_records(out) == [("scheduledevent.scheduled", EVENT), ("scheduledevent.started", EVENT)]
+        assert "could not refresh instance metadata" in agent.logs() and "500" in agent.logs()
+        assert agent.alive()
+    finally:
+        assert agent.terminate() == 0, agent.logs()[-3000:]

@@ -93,7 +93,8 @@ def test_footprint_benchmark_measures_both_configurations_after_every_sink_deliv
         cwd=ROOT, capture_output=True, text=True, timeout=90,
     )
     assert proc.returncode in (0, 1), proc.stderr
-    footprint = orjson.loads(out.read_bytes())["results"]["footprint"]
+    doc = orjson.loads(out.read_bytes())
+    footprint = doc["results"]["footprint"]
     figures = footprint["figures"]
     for key in ("startup_ms", "rss_mib", "rss_peak_mib", "threads"):
         assert set(figures[key]) == {"stdout_only", "all_sinks"}, key
@@ -110,6 +111,12 @@ def test_footprint_benchmark_measures_both_configurations_after_every_sink_deliv
     assert all(delivered.values()), delivered
     assert footprint["pass"] == all(g["pass"] for g in footprint["goals"])
     assert "footprint" in proc.stdout
+    # The hostile-document RSS reaches the top-level summary and is judged there (issue 11).
+    hostile = figures["hostile_rss_mib"]
+    assert doc["summary"]["hostile_rss_mib"] == {"baseline": hostile["baseline_mib"], "peak": hostile["peak_mib"],
+                                                 "after": hostile["after_mib"]}
+    (row,) = [g for g in doc["goals"] if g["figure"] == "hostile_rss_mib.peak"]
+    assert row["pass"] == (hostile["peak_mib"] < 64 and hostile["after_mib"] <= hostile["baseline_mib"] + 8)
 
 
 @pytest.mark.slow

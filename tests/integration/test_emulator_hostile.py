@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from forwarder.emulator import Emulator, SpecError
+from forwarder.emulator import FAULT_KINDS, Emulator, SpecError
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 from tests.conftest import ROOT
 
@@ -79,6 +79,112 @@ def test_bad_hostile_fault_specs_are_refused(emu: Emulator) -> None:
         emu.inject_fault("interim", statuses=[101])
     with pytest.raises(SpecError):
         emu.inject_fault("out_of_range", field="nope")
+
+
+def ctl_fault(emu: Emulator, *args: str) -> subprocess.CompletedProcess[str]:
+    """``sefwd emulator ctl URL fault ...`` as a user types it, against the running emulator."""
+    return subprocess.run([sys.executable, "-m", "forwarder", "emulator", "ctl", emu.url, "fault", *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+
+
+def test_ctl_offers_every_fault_kind_of_the_control_api() -> None:
+    done = subprocess.run([sys.executable, "-m", "forwarder", "emulator", "ctl", "http://127.0.0.1:1", "fault", "--help"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert all(kind in done.stdout for kind in FAULT_KINDS), done.stdout
+    for option in ("--size", "--chunked", "--depth", "--statuses", "--field", "--delay", "--path"):
+        assert option in done.stdout
+
+
+@pytest.mark.parametrize(("args", "pending", "check"), [
+    (["drip", "--delay", "1ms"], {"kind": "drip", "delay": 0.001},
+     lambda data: data.startswith(b"HTTP/1.1 200") and json.loads(data.partition(b"\r\n\r\n")[2])["Events"]),
+    (["interim", "--statuses", "100,102", "--delay", "10ms"], {"kind": "interim", "statuses": [100, 102], "delay": 0.01},
+     lambda data: data.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 102 Processing\r\n\r\nHTTP/1.1 200 ")),
+    (["oversized", "--size", "2MiB"], {"kind": "oversized", "size": 2 * 1024 * 1024, "chunked": False},
+     lambda data: b"content-length: 2097152" in data.partition(b"\r\n\r\n")[0].lower() and len(data) > 2 * 1024 * 1024),
+    (["oversized", "--size", "1048576", "--chunked"], {"kind": "oversized", "size": 1024 * 1024, "chunked": True},
+     lambda data: b"transfer-encoding: chunked" in data.partition(b"\r\n\r\n")[0].lower()),
+    (["nested", "--depth", "30"], {"kind": "nested", "depth": 30},
+     lambda data: data.partition(b"\r\n\r\n")[2].count(b'{"Nested":') == 30),
+    (["out_of_range", "--field", "not_before"], {"kind": "out_of_range", "field": "not_before"},
+     lambda data: (doc := json.loads(data.partition(b"\r\n\r\n")[2]))["DocumentIncarnation"] < 2**63
+     and doc["Events"][0]["NotBefore"].startswith("0001-")),
+    (["out_of_range", "--field", "incarnation", "--count", "2"], {"kind": "out_of_range", "field": "incarnation", "count": 2},
+     lambda data: json.loads(data.partition(b"\r\n\r\n")[2])["DocumentIncarnation"] > 2**64),
+])
+def test_each_hostile_fault_through_the_ctl_command(emu: Emulator, args: list[str], pending: dict, check) -> None:
+    done = ctl_fault(emu, *args)
+    assert done.returncode == 0, done.stderr
+    queued = emu.stats()["faults_pending"]
+    assert len(queued) == 1 and queued[0].items() >= pending.items(), queued
+    assert check(raw_answer(emu, limit=4 * 1024 * 1024)), "the answer is not shaped as the fault says"
+
+
+@pytest.mark.parametrize(("args", "code", "says"), [
+    (["interim", "--statuses", "101"], 1, "1xx codes other than 101"),
+    (["interim", "--statuses", "1xx"], 2, "expected 1xx codes"),
+    (["oversized", "--size", "huge"], 2, "expected a size"),
+    (["out_of_range", "--field", "nope"], 2, "invalid choice"),
+    (["nested", "--depth", "0"], 1, "fault depth must be an integer from 1"),
+])
+def test_ctl_refuses_bad_fault_options_saying_why(emu: Emulator, args: list[str], code: int, says: str) -> None:
+    done = ctl_fault(emu, *args)
+    assert done.returncode == code and says in done.stdout + done.stderr, (done.stdout, done.stderr)
+    assert emu.stats()["faults_pending"] == []
+
+
+def test_hostile_faults_in_a_scenario_file(tmp_path: Path) -> None:
+    path = tmp_path / "hostile.toml"
+    path.write_text("""
+name = "hostile"
+vms = ["myVM"]
+
+[[steps]]
+at = "0s"
+action = "schedule"
+id = "EV-H"
+type = "Reboot"
+resources = ["myVM"]
+start_after = "15m"
+
+[[steps]]
+at = "0s"
+action = "fault"
+kind = "out_of_range"
+field = "duration"
+
+[[steps]]
+at = "0s"
+action = "fault"
+kind = "oversized"
+size = "2MiB"
+chunked = true
+
+[[steps]]
+at = "0s"
+action = "fault"
+kind = "interim"
+statuses = [103]
+delay = "10ms"
+
+[[steps]]
+at = "0s"
+action = "fault"
+kind = "nested"
+depth = 20
+""")
+    with Emulator(scenario=path, rate_limit=None) as emu:
+        wait_until(lambda: len(emu.stats()["faults_pending"]) == 4 and emu.stats()["events"], 30,
+                   "the scenario's event and its four faults")
+        doc = json.loads(raw_answer(emu).partition(b"\r\n\r\n")[2])
+        assert doc["Events"][0]["EventId"] == "EV-H" and doc["Events"][0]["DurationInSeconds"] > 2**64
+        head = raw_answer(emu, limit=4 * 1024 * 1024).partition(b"\r\n\r\n")[0].lower()
+        assert b"transfer-encoding: chunked" in head
+        assert raw_answer(emu).startswith(b"HTTP/1.1 103 Early Hints\r\n\r\nHTTP/1.1 200 ")
+        assert raw_answer(emu).partition(b"\r\n\r\n")[2].count(b'{"Nested":') == 20
+        normal = json.loads(raw_answer(emu).partition(b"\r\n\r\n")[2])  # then normal service again
+        assert normal["Events"][0]["DurationInSeconds"] == -1 and emu.stats()["faults_pending"] == []
 
 
 def test_the_agent_survives_every_hostile_fault(tmp_path: Path, emu: Emulator) -> None:

@@ -109,6 +109,31 @@ def test_healthz_turns_503_while_imds_fails_and_recovers(tmp_path):
             assert agent.terminate() == 0
 
 
+def test_bad_documents_and_cycle_errors_are_counted_in_the_metrics(tmp_path):
+    with Emulator(vms=["web-0"], rate_limit=None) as emu:
+        config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state",
+                              extra='[telemetry]\nlisten = "127.0.0.1:0"\n')
+        agent = AgentProcess(config, tmp_path / "agent.log", env={"SEFWD_IMDS_COMPUTE_REFRESH": "1s"})
+        try:
+            base = endpoint(agent)
+            first = wait_until(lambda: (s := scrape(base)).get("sefwd_imds_polls_total", 0) >= 1 and s, 30,
+                               "a first poll in the metrics")
+            assert first["sefwd_poller_bad_documents_total"] == 0 and first["sefwd_poller_cycle_errors_total"] == 0
+            emu.inject_fault("malformed", count=2)  # a 200 with truncated JSON: refused as a bad document
+            wait_until(lambda: scrape(base).get("sefwd_poller_bad_documents_total", 0) >= 1, 30,
+                       "the bad document counted")
+            # Instance metadata nested beyond Python's recursion limit raises inside the cycle (not an
+            # ImdsError): the cycle guard logs it, counts it and polls on.
+            emu.inject_fault("nested", path="instance", depth=50_000, count=2)
+            wait_until(lambda: scrape(base).get("sefwd_poller_cycle_errors_total", 0) >= 1, 30,
+                       "the cycle error counted")
+            assert agent.alive(), agent.logs()[-3000:]
+            assert "skipping a bad IMDS document" in agent.logs()
+            assert "unexpected error in the poll cycle" in agent.logs()
+        finally:
+            assert agent.terminate() == 0
+
+
 def test_metrics_exported_to_azure_monitor(tmp_path):
     temp_dir = tmp_path / "tmp"
     temp_dir.mkdir()

@@ -1,15 +1,17 @@
 """Hostile values in an IMDS document: each is bounded (raw kept) or refused, never a crash later."""
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timezone
 
 import orjson
 import pytest
 
 from forwarder.differ import diff
-from forwarder.document import EXTRA_DEPTH_MAX, EXTRA_FIELD_MAX, TRUNCATED, parse_document
+from forwarder.document import EXTRA_DEPTH_MAX, EXTRA_FIELD_MAX, TRUNCATED, parse_document, warn_once
 from forwarder.errors import DocumentError
 from forwarder.identity import VmIdentity
+from forwarder.logutil import OnceLog
 from forwarder.records import RecordFactory
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)
@@ -60,7 +62,64 @@ def test_not_before_outside_the_representable_range_is_null_with_the_raw_kept(ra
     assert rec["data"]["NotBefore"] is None and rec["data"]["NotBeforeRaw"] == raw
 
 
+@pytest.mark.parametrize(("raw", "why"), [
+    ("0001-01-01T00:00:00+01:00", "leaves the representable date range when converted to UTC"),
+    ("0100-01-01T00:00:00Z", "is outside the years 1970-9000"),
+    ("next tuesday", "is neither an RFC 1123 nor an ISO 8601 time"),
+])
+def test_a_dropped_not_before_is_logged_once_saying_what_was_wrong(caplog, raw, why):
+    warn_once.clear()
+    body = orjson.dumps({"DocumentIncarnation": 1, "Events": [{"EventId": "NB-1", "NotBefore": raw}]})
+    with caplog.at_level("WARNING", logger="forwarder.document"):
+        for _ in range(3):  # the same document at every poll (and the saved one at a restart)
+            assert parse_document(body).events[0].not_before is None
+    lines = [r.getMessage() for r in caplog.records if "NotBefore" in r.getMessage()]
+    assert lines == [f"Events[0] (EventId NB-1): NotBefore {raw!r} {why}; NotBefore is null, the text kept as "
+                     "NotBeforeRaw"], lines
+    caplog.clear()
+    # Another event with the same text, or the same event with another text, is a new problem.
+    parse_document(orjson.dumps({"DocumentIncarnation": 2, "Events": [
+        {"EventId": "NB-1", "NotBefore": raw + " "}, {"EventId": "NB-2", "NotBefore": raw}]}))
+    assert len([r for r in caplog.records if "NotBefore" in r.getMessage()]) == 2
+
+
+def test_a_refused_document_reports_no_bounded_values(caplog):
+    warn_once.clear()
+    body = orjson.dumps({"DocumentIncarnation": 1, "Events": [{"EventId": "NB-3", "NotBefore": "0001-01-01T00:00:00Z"},
+                                                              {"EventId": "NB-3"}]})
+    with caplog.at_level("WARNING", logger="forwarder.document"), pytest.raises(DocumentError, match="twice"):
+        parse_document(body)
+    assert "NotBefore" not in caplog.text
+
+
+def test_duration_and_incarnation_bounds_are_logged_once(caplog):
+    warn_once.clear()
+    body = b'{"DocumentIncarnation": 18446744073709551617, "Events": [{"EventId": "D-1", "DurationInSeconds": 10000000000}]}'
+    with caplog.at_level("WARNING", logger="forwarder.document"):
+        parse_document(body)
+        parse_document(body)
+    text = [r.getMessage() for r in caplog.records]
+    assert len(text) == 2, text
+    assert "DocumentIncarnation" in text[0] and "wider than 64 bits" in text[0]  # (orjson reads it as a float)
+    assert "Events[0] (EventId D-1): DurationInSeconds 10000000000 is beyond what IMDS sends" in text[1]
+
+
+def test_once_log_bounds_its_memory_and_its_rate(caplog):
+    now = [0.0]
+    once = OnceLog(logging.getLogger("test.once"), keep=3, burst=2, interval=60, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="test.once"):
+        assert once.warning("a", "A") and not once.warning("a", "A again")
+        assert once.warning("b", "B")
+        assert not once.warning("c", "C") and not once.warning("d", "D")  # the burst of 2 a minute is spent
+        now[0] = 61.0
+        assert once.warning("e", "E")  # says how many were held back
+        assert once.warning("a", "A is new again")  # remembers only the 3 most recent keys (c, d, e)
+    assert [r.getMessage() for r in caplog.records] == [
+        "A", "B", "E (2 similar warning(s) held back before this one)", "A is new again"]
+
+
 def test_deeply_nested_unknown_field_is_kept_truncated_and_marked(caplog):
+    warn_once.clear()
     body = b'{"DocumentIncarnation": 1, "Events": [{"EventId": "E1", "Future": ' + b"[" * 300 + b"]" * 300 + b"}]}"
     (rec,) = records_of(body)
     kept = rec["data"]["Extra"]["Future"]

@@ -4,14 +4,24 @@ heartbeat raising nothing but DocumentError, and a refused document leaves the b
 Examples per run (CI): 1,200 arbitrary JSON values (some nested up to 600 levels), 1,200 near-valid
 documents mutated field by field, and 300 sequences of 2 to 6 documents (~1,200 more documents):
 about 3,600 documents, 40-55 s on this 2-core machine under load.
+
+The sequences go through the agent's own poll cycle: the real ``Poller`` with the real IMDS client
+(against a minimal HTTP server on 127.0.0.1 serving each body) and a real SQLite store, so "a
+refused document changes no state" is checked on the poller's baseline, the record factory's
+sequence and what the store holds, not on a model of them.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import tempfile
+from collections.abc import Iterator
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,7 +29,11 @@ from forwarder.differ import diff
 from forwarder.document import Document, parse_document
 from forwarder.errors import DocumentError
 from forwarder.identity import VmIdentity
+from forwarder.imds import ImdsClient, RequestBudget
+from forwarder.poller import Poller
 from forwarder.records import RecordFactory
+from forwarder.store import Store
+from tests.adversarial.hostile import HostileServer, Reply, Request
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -121,16 +135,82 @@ def test_near_valid_documents_mutated_field_by_field(value: Any) -> None:
     downstream(encode(value), None, new_factory())
 
 
+class Served:
+    """What the HTTP server answers: the current body for Scheduled Events, a VM for compute."""
+
+    def __init__(self) -> None:
+        self.body = b"{}"
+
+    def __call__(self, req: Request) -> Reply:
+        if "/metadata/instance" in req.target:
+            return Reply.json({"vmId": "v", "name": "myVM"})
+        return Reply(body=self.body, headers={"Content-Type": "application/json"})
+
+
+@pytest.fixture(scope="module")
+def imds() -> Iterator[tuple[Served, ImdsClient]]:
+    served = Served()
+    with HostileServer(served) as server:
+        # No request budget: the property sends thousands of polls, far faster than IMDS allows.
+        client = ImdsClient(server.url, "2020-07-01", budget=RequestBudget(limit=10**9))
+        try:
+            yield served, client
+        finally:
+            client.close()
+
+
+def stored(store: Store) -> list[bytes]:
+    return [bytes(row[0]) for row in store.query("SELECT body FROM records ORDER BY id")]
+
+
 @settings(max_examples=300, **SETTINGS)
 @given(st.lists(near_valid(), min_size=2, max_size=6))
-def test_sequences_never_raise_and_a_refused_document_keeps_the_baseline(values: list[Any]) -> None:
-    factory = new_factory()
-    previous: Document | None = None
-    for value in values:
-        body = encode(value)
-        before = previous
-        previous = downstream(body, previous, factory)
+def test_sequences_never_raise_and_a_refused_document_keeps_the_baseline(imds: tuple[Served, ImdsClient],
+                                                                         values: list[Any]) -> None:
+    served, client = imds
+    with tempfile.TemporaryDirectory(prefix="sefwd-inv-") as tmp:
+        store = Store.open(Path(tmp), fsync=False)
         try:
-            parse_document(body)
-        except DocumentError:
-            assert previous is before
+            state = store.load_state()
+            factory = RecordFactory(VmIdentity(vm_id="v", name="myVM"), "2020-07-01", sequence=state.sequence,
+                                    clock=lambda: NOW)
+            poller = Poller(client, state, factory, store, poll_interval=1.0, heartbeat=0, compute_refresh=0,
+                            wallclock=lambda: NOW, boot_id=lambda: "boot-1")
+            for value in values:
+                served.body = body = encode(value)
+                try:
+                    parse_document(body)
+                    refused = False
+                except DocumentError:
+                    refused = True
+                before_current, before_state = poller.current, dataclasses.replace(poller.state)
+                before_sequence, before_records = factory.sequence, stored(store)
+                before_stats = dataclasses.replace(poller.stats)
+                poller.poll_once()  # raises nothing, whatever the body
+                assert poller.stats.imds_errors == 0 and poller.stats.cycle_errors == 0
+                if refused:
+                    assert poller.stats.bad_documents == before_stats.bad_documents + 1
+                    assert poller.current is before_current
+                    assert poller.state == before_state
+                    assert factory.sequence == before_sequence
+                    assert store.load_state() == before_state  # nothing of it reached the store either
+                    assert stored(store) == before_records
+                elif before_state.document is not None and before_state.document.encode() == body:
+                    assert poller.stats.unchanged == before_stats.unchanged + 1
+                    assert factory.sequence == before_sequence and stored(store) == before_records
+                else:
+                    # Accepted: the baseline, the sequence and the records moved together, in the store too.
+                    assert poller.stats.bad_documents == before_stats.bad_documents
+                    assert poller.current is not None and poller.current is not before_current
+                    assert poller.state.document == body.decode() and store.load_state() == poller.state
+                    new = stored(store)[len(before_records):]
+                    assert factory.sequence == before_sequence + len(new) == poller.state.sequence
+                    for record in new:
+                        assert orjson.loads(record)["type"].startswith("scheduledevent.")
+                # The heartbeat carries the current incarnation (any width the document had) and serializes.
+                assert poller.emit_lifecycle("heartbeat", **poller.heartbeat_data())
+                beat = orjson.loads(stored(store)[-1])
+                assert beat["type"] == "forwarder.heartbeat"
+                assert beat["data"]["DocumentIncarnation"] == (poller.current.incarnation if poller.current else None)
+        finally:
+            store.close()
