@@ -26,6 +26,7 @@ EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 EXIT_BAD_DOCUMENT = 3
 EXIT_DEGRADED = 4  # `sefwd status`: the agent runs, but something needs attention
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -243,9 +244,10 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
     from forwarder.approval.approver import APPROVED, Approver
     from forwarder.config import load_config
-    from forwarder.imds import ImdsClient
+    from forwarder.imds import RETRY_DEADLINE, ImdsClient
     from forwarder.service import resolve_identity
     from forwarder.store import Store
+    from forwarder.waiting import WaitNotice
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
@@ -260,13 +262,16 @@ def cmd_approve(args: argparse.Namespace) -> int:
             store.close()
 
     imds = ImdsClient.from_config(config.imds)
-    vm = resolve_identity(imds, _saved_state(config.state.dir))
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid:{os.getuid()}" if hasattr(os, "getuid") else "unknown"
-    approver = Approver(config.approval, imds, lambda: vm, audit, config.state.dir, threading.Event())
-    attempt = approver.approve(args.event_ids, actor="cli", approver=user, reason=args.reason, scope=args.scope)
+    # IMDS may be slow or unreachable (each call retries for up to 90 s): say so after 2 s, not nothing.
+    with WaitNotice(_say, f"approve: waiting for IMDS at {config.imds.endpoint} (retrying for up to "
+                    f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)", first=2.0):
+        vm = resolve_identity(imds, _saved_state(config.state.dir))
+        approver = Approver(config.approval, imds, lambda: vm, audit, config.state.dir, threading.Event())
+        attempt = approver.approve(args.event_ids, actor="cli", approver=user, reason=args.reason, scope=args.scope)
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(attempt.answer()) + b"\n")
     else:
@@ -279,6 +284,11 @@ def cmd_approve(args: argparse.Namespace) -> int:
         if attempt.detail:
             print(attempt.detail, file=sys.stderr)
     return EXIT_OK if attempt.outcome == APPROVED else EXIT_FAILURE
+
+
+def _say(line: str) -> None:
+    """A progress line for a person, on stderr (stdout carries results only)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _saved_state(state_dir: Path) -> SavedState:
@@ -362,35 +372,81 @@ def cmd_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "once":
-            return cmd_once(args)
-        if args.command == "demo":
-            return cmd_demo(args)
-        if args.command == "config":
-            return cmd_config(args)
-        if args.command == "approve":
-            return cmd_approve(args)
-        if args.command == "status":
-            return cmd_status(args)
-        if args.command == "deadletter":
-            return cmd_deadletter(args)
-        if args.command == "emulator":
-            from forwarder.emulator.cli import run as run_emulator
+def _os_problem(exc: OSError) -> str:
+    """One line for an OSError a user can cause (a missing permission, a bad path, a busy port)."""
+    import errno
 
-            return run_emulator(args)
+    what = exc.strerror or str(exc) or type(exc).__name__
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        what += " (run as the user that owns the agent's files, or with sudo)"
+    if exc.filename is not None:
+        return f"{what}: {exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+    return what
+
+
+def _dispatch(args: argparse.Namespace) -> int | None:
+    if args.command == "run":
+        return cmd_run(args)
+    if args.command == "once":
+        return cmd_once(args)
+    if args.command == "demo":
+        return cmd_demo(args)
+    if args.command == "config":
+        return cmd_config(args)
+    if args.command == "approve":
+        return cmd_approve(args)
+    if args.command == "status":
+        return cmd_status(args)
+    if args.command == "deadletter":
+        return cmd_deadletter(args)
+    if args.command == "emulator":
+        from forwarder.emulator.cli import run as run_emulator
+
+        return run_emulator(args)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Every failure a user can cause ends as one line on stderr and a documented exit code:
+    0 ok, 1 failure, 2 config or usage, 3 bad document (``once``), 4 degraded (``status``), 130 Ctrl-C.
+    """
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        rc = _dispatch(args)
     except ConfigError as exc:
         print(f"sefwd: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except ForwarderError as exc:
         print(f"sefwd: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("sefwd: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
+        _quiet_stdout()
         return EXIT_OK
-    parser.error(f"unknown command {args.command!r}")
-    return EXIT_CONFIG
+    except OSError as exc:
+        print(f"sefwd: {_os_problem(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as exc:  # noqa: BLE001 - a bug still gets one line; the traceback only at debug level
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            import traceback
+
+            traceback.print_exc()
+        print(f"sefwd: unexpected error: {type(exc).__name__}: {exc} "
+              "(run with --log-level debug to see where)", file=sys.stderr)
+        return EXIT_FAILURE
+    if rc is None:
+        parser.error(f"unknown command {args.command!r}")
+    return rc
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe (``sefwd ... | head``), do not fail again flushing stdout at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
