@@ -9,6 +9,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ from forwarder import __version__
 from forwarder.errors import ConfigError, ForwarderError
 
 if TYPE_CHECKING:
+    from forwarder.emulator import Emulator
+    from forwarder.service import Agent
     from forwarder.store import SavedState
 
 log = logging.getLogger("forwarder")
@@ -225,16 +228,46 @@ def cmd_demo(args: argparse.Namespace) -> int:
         result: dict[str, int] = {}
         runner = threading.Thread(target=lambda: result.setdefault("rc", agent.run()), name="agent", daemon=True)
         runner.start()
-        finished = emulator.wait_finished(args.timeout)
-        if finished and agent.ready.wait(10) and agent.poller is not None:
+        finished = _wait_finished(emulator, stop, args.timeout)
+        interrupted = stop.is_set()
+        if finished and not interrupted and agent.ready.wait(10) and agent.poller is not None:
             # One more poll after the scenario ended, so the last removal is seen.
             agent.poller.wait_for_polls(agent.poller.stats.polls + 2, 10)
         stop.set()
         runner.join(30)
+        records, events = _demo_counts(agent, emulator)
+        how = "stopped by Ctrl-C" if interrupted else "scenario finished" if finished else "the scenario did not finish in time"
+        print(f"sefwd demo: {records} record(s) about {events} event(s), {how}", file=sys.stderr)
+        if interrupted:
+            return EXIT_INTERRUPTED
         if not finished:
-            print("sefwd demo: the scenario did not finish in time", file=sys.stderr)
             return EXIT_FAILURE
         return result.get("rc", EXIT_FAILURE)
+
+
+def _wait_finished(emulator: Emulator, stop: threading.Event, timeout: float) -> bool:
+    """Until the scenario ended (True), Ctrl-C or the timeout (False): a stop is seen at once."""
+    deadline = time.monotonic() + timeout
+    while not stop.is_set():
+        if emulator.finished.is_set():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        stop.wait(min(0.1, left))
+    return False
+
+
+def _demo_counts(agent: Agent, emulator: Emulator) -> tuple[int, int]:
+    """Records the demo's sinks got (the most any sink got) and scheduled events the scenario made."""
+    outbox = agent.outbox
+    records = max((w.stats.delivered for w in outbox.workers.values()), default=0) if outbox is not None else 0
+    try:
+        history = emulator.stats().get("history") or []
+        events = len({h.get("event_id") for h in history if isinstance(h, dict) and h.get("event_id")})
+    except Exception:  # noqa: BLE001 - a summary line must not fail the demo
+        events = 0
+    return records, events
 
 
 def cmd_approve(args: argparse.Namespace) -> int:

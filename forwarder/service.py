@@ -67,6 +67,7 @@ class Agent:
         self.stop = stop or threading.Event()
         self.pretty = pretty
         self.poller: Poller | None = None
+        self.outbox: Dispatcher | None = None
         self.approver: Any = None
         self.callback: Any = None
         self.telemetry: NullTelemetry = NO_TELEMETRY
@@ -184,7 +185,7 @@ class Agent:
             imds = ImdsClient.from_config(cfg.imds, stop=self.stop)
             # Before the sinks are built, so they can be observed; a no-op unless [telemetry] is set.
             telemetry = self.telemetry = create_telemetry(cfg.telemetry, cfg.state.dir)
-            outbox = self._outbox(store)
+            outbox = self.outbox = self._outbox(store)
             # From the first second, say what we wait for (instance metadata, then the first poll
             # can each take long): on stderr every 30 s, and in the status report for `sefwd status`.
             self.waiting_since = utcnow()

@@ -157,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
                 stop.wait(0.2)
         finally:
             emulator.stop()
+        if stop.is_set():  # Ctrl-C or SIGTERM: the usual way to stop a server, so exit 0
+            print("IMDS emulator stopped", file=sys.stderr, flush=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
