@@ -36,17 +36,36 @@ def _add_config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", metavar="FILE", help="config file (default: $SEFWD_CONFIG, then /etc/sefwd/config.toml, then built-in defaults)")
 
 
+EXIT_CODES = ("exit codes: 0 ok, 1 failure (unreachable endpoint, missing permission, bad path), "
+              "2 config or usage error, 130 Ctrl-C")
+
+
+def _command(sub: argparse._SubParsersAction, name: str, summary: str, description: str, examples: str,
+             exit_codes: str = EXIT_CODES) -> argparse.ArgumentParser:
+    """A subcommand with a one-line summary (in ``sefwd --help``), a description and examples."""
+    return sub.add_parser(name, help=summary, description=description,
+                          epilog=f"examples:\n{examples}\n\n{exit_codes}",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sefwd",
         description="Forward Azure Scheduled Events (IMDS) as durable CloudEvents records.",
+        epilog="Try it without Azure: sefwd demo. Help on one command: sefwd COMMAND --help.\n"
+               "exit codes: 0 ok, 1 failure, 2 config or usage error, 3 bad IMDS document (once), "
+               "4 degraded (status), 130 Ctrl-C",
     )
     parser.add_argument("--version", action="version", version=f"sefwd {__version__}")
     parser.add_argument("--log-level", default=None, help="debug, info, warning or error (default: from config, info)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("demo", help="run a built-in scenario on the embedded IMDS emulator, records to stdout")
+    p = _command(sub, "demo", "run a built-in scenario on the embedded IMDS emulator, records to stdout",
+                 "Start the IMDS emulator with a scenario, run the agent against it with a temporary state "
+                 "dir, print every record, and stop when the scenario is over (or at Ctrl-C) with a summary line.",
+                 "  sefwd demo\n  sefwd demo --scenario spot-preempt --json | jq .type\n"
+                 "  sefwd emulator --list-scenarios     # the scenarios there are")
     _add_config_arg(p)
     p.add_argument("--scenario", default="demo", help="built-in scenario name or scenario file (default: demo)")
     fmt = p.add_mutually_exclusive_group()
@@ -54,11 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json", dest="pretty", action="store_false", help="one JSON record per line")
     p.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds (default 120)")
 
-    p = sub.add_parser("run", help="run the agent (the service)")
+    p = _command(sub, "run", "run the agent (the service)",
+                 "Poll IMDS, store every change as a CloudEvents record and deliver it to the configured "
+                 "sinks, until SIGTERM or Ctrl-C. Until IMDS first answers it says what it waits for.",
+                 "  sefwd run                          # /etc/sefwd/config.toml, or $SEFWD_CONFIG\n"
+                 "  sefwd run -c ./config.toml --log-level debug",
+                 "exit codes: 0 stopped (SIGTERM or Ctrl-C; a second one exits at once), 1 failure, "
+                 "2 config error")
     _add_config_arg(p)
     p.add_argument("--pretty", action="store_true", help="human-readable stdout sink output")
 
-    p = sub.add_parser("once", help="poll IMDS once and print the current events as records")
+    p = _command(sub, "once", "poll IMDS once and print the current events as records",
+                 "One GET of the Scheduled Events document, printed as records (one JSON line each) "
+                 "on stdout; changes no state.",
+                 "  sefwd once\n  sefwd once --pretty",
+                 "exit codes: 0 ok, 1 IMDS not reachable, 2 config error, 3 IMDS answered a document "
+                 "sefwd cannot read, 130 Ctrl-C")
     _add_config_arg(p)
     p.add_argument("--pretty", action="store_true", help="human-readable lines")
 
@@ -66,7 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_emulator(sub)
 
-    p = sub.add_parser("approve", help="approve events now (POST StartRequests to IMDS), audited")
+    p = _command(sub, "approve", "approve events now (POST StartRequests to IMDS), audited",
+                 "Ask IMDS to start scheduled events now, within [approval] scope; every attempt "
+                 "becomes an approval.* record. The result is printed on stdout.",
+                 "  sefwd approve 602d9444-d2cd-49c7-8624-8643e7171297 --reason 'drained'\n"
+                 "  sefwd approve ID1 ID2 --scope any --json",
+                 "exit codes: 0 approved, 1 refused or failed, 2 config error, 130 Ctrl-C")
     _add_config_arg(p)
     p.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
     p.add_argument("--reason", help="why (kept in the audit record)")
@@ -74,28 +109,49 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override [approval] scope for this approval (say 'any' to approve an event of several VMs from a non-leader)")
     p.add_argument("--json", action="store_true", help="print the outcome as JSON")
 
-    p = sub.add_parser("status", help="backlog, dead letters and last poll per sink, current events")
+    p = _command(sub, "status", "backlog, dead letters and last poll per sink, current events",
+                 "Read the agent's state dir (works with the agent up or down) and say whether it runs "
+                 "and is healthy.",
+                 "  sefwd status\n  sefwd status --json | jq .health",
+                 "exit codes: 0 healthy, 1 not running (or state unreadable), 2 config error, "
+                 "4 running but degraded (the reasons are on the health line)")
     _add_config_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    p = sub.add_parser("deadletter", help="inspect and re-send records a sink rejected")
+    p = _command(sub, "deadletter", "inspect and re-send records a sink rejected",
+                 "Records a sink refused for good are kept as dead letters, per sink.",
+                 "  sefwd deadletter list\n  sefwd deadletter list hook --json\n  sefwd deadletter replay hook")
     dsub = p.add_subparsers(dest="deadletter_command", metavar="ACTION")
     dsub.required = True
-    d = dsub.add_parser("list", help="list dead letters (of one sink, or all)")
+    d = _command(dsub, "list", "list dead letters (of one sink, or all)",
+                 "One line per dead letter: sink, time, reason, type, id, subject, detail.",
+                 "  sefwd deadletter list\n  sefwd deadletter list hook --json | jq .record.id",
+                 "exit codes: 0 ok, 1 state unreadable, 2 unknown sink name or config error")
     _add_config_arg(d)
     d.add_argument("sink", nargs="?", help="sink name")
     d.add_argument("--json", action="store_true", help="one JSON object per line")
-    d = dsub.add_parser("replay", help="send a sink's dead letters again; what fails again stays a dead letter")
+    d = _command(dsub, "replay", "send a sink's dead letters again; what fails again stays a dead letter",
+                 "Send one sink's dead letters again, retrying transient failures until --timeout.",
+                 "  sefwd deadletter replay hook\n  sefwd deadletter replay hook --timeout 60 --json")
     _add_config_arg(d)
     d.add_argument("sink", help="sink name")
     d.add_argument("--timeout", type=float, default=300.0, help="give up retrying after this many seconds (default 300)")
 
-    p = sub.add_parser("config", help="validate the config or print an annotated example")
+    p = _command(sub, "config", "validate the config or print an annotated example",
+                 "Check a config file (every problem at once) or print an example with every key.",
+                 "  sefwd config check -c ./config.toml\n  sefwd config example > config.toml")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION")
     csub.required = True
-    c = csub.add_parser("check", help="validate; lists every problem")
+    c = _command(csub, "check", "validate; lists every problem",
+                 "Load the config as the agent would (file, then SEFWD_* environment overrides) and list "
+                 "every problem, or print the effective settings.",
+                 "  sefwd config check\n  sefwd config check -c ./config.toml --json",
+                 "exit codes: 0 valid, 2 invalid (every problem is listed)")
     _add_config_arg(c)
-    csub.add_parser("example", help="print an annotated example config")
+    _command(csub, "example", "print an annotated example config",
+             "Every key of every section and of every built-in sink, with its default; optional "
+             "sections are commented out.",
+             "  sefwd config example > /etc/sefwd/config.toml", "exit codes: 0 ok")
     return parser
 
 
@@ -283,7 +339,8 @@ def cmd_approve(args: argparse.Namespace) -> int:
     from forwarder.waiting import WaitNotice
 
     config = load_config(args.config)
-    _setup_logging(args, config.agent.log_level)
+    # The result goes to stdout; at the default level no log line repeats it on stderr.
+    _setup_logging(args, "warning")
 
     def audit(entry: dict[str, object]) -> None:
         # The store's inbox: the running agent commits it as a record; with no agent running, the next start does.

@@ -530,7 +530,7 @@ class Emulator:
                                         name="imds-emulator", daemon=True)
         self._thread.start()
         self.platform.timeline.start()
-        log.info("IMDS emulator listening on %s (default VM %s)", self.url, self.platform.default_vm)
+        log.debug("IMDS emulator listening on %s (default VM %s)", self.url, self.platform.default_vm)  # `sefwd emulator` prints it
         if self.scenario is not None:
             self.platform.run_scenario(self.scenario)
         return self
