@@ -451,10 +451,11 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from forwarder.config import EXAMPLE_CONFIG, describe, load_config
+    from forwarder.config import describe, load_config
+    from forwarder.config_example import shipped
 
     if args.config_command == "example":
-        sys.stdout.write(EXAMPLE_CONFIG)
+        sys.stdout.write(shipped())
         return EXIT_OK
     config = load_config(args.config)
     print(describe(config))
