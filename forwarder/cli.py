@@ -136,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arg(d)
     d.add_argument("sink", help="sink name")
     d.add_argument("--timeout", type=float, default=300.0, help="give up retrying after this many seconds (default 300)")
+    d.add_argument("--json", action="store_true", help='print {"sink": ..., "replayed": N, "still_dead": M} on stdout')
 
     p = _command(sub, "config", "validate the config or print an annotated example",
                  "Check a config file (every problem at once) or print an example with every key.",
@@ -148,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "  sefwd config check\n  sefwd config check -c ./config.toml --json",
                  "exit codes: 0 valid, 2 invalid (every problem is listed)")
     _add_config_arg(c)
+    c.add_argument("--json", action="store_true",
+                   help='print {"valid": ..., "source": ..., "problems": [...]} on stdout')
     _command(csub, "example", "print an annotated example config",
              "Every key of every section and of every built-in sink, with its default; optional "
              "sections are commented out.",
@@ -447,7 +450,7 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
         return EXIT_OK
     from forwarder.replay import replay
 
-    return replay(config, args.sink, timeout=args.timeout)
+    return replay(config, args.sink, timeout=args.timeout, json_out=args.json)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -456,6 +459,18 @@ def cmd_config(args: argparse.Namespace) -> int:
 
     if args.config_command == "example":
         sys.stdout.write(shipped())
+        return EXIT_OK
+    if args.json:
+        import orjson
+
+        try:
+            config = load_config(args.config)
+        except ConfigError as exc:
+            answer = {"valid": False, "source": args.config, "problems": exc.problems}
+            sys.stdout.buffer.write(orjson.dumps(answer, option=orjson.OPT_INDENT_2) + b"\n")
+            return EXIT_CONFIG
+        answer = {"valid": True, "source": config.source, "problems": []}
+        sys.stdout.buffer.write(orjson.dumps(answer, option=orjson.OPT_INDENT_2) + b"\n")
         return EXIT_OK
     config = load_config(args.config)
     print(describe(config))

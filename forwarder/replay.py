@@ -24,8 +24,18 @@ def _progress(done: int, total: int, start: float) -> None:
     sys.stderr.flush()
 
 
-def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
-    """Re-send every dead letter of one sink; returns an exit code (0 when all went through)."""
+def _counts(sink_name: str, sent: int, failed: int, json_out: bool) -> None:
+    if json_out:
+        import orjson
+
+        sys.stdout.buffer.write(orjson.dumps({"sink": sink_name, "replayed": sent, "still_dead": failed}) + b"\n")
+        sys.stdout.flush()
+    print(f"sink {sink_name}: replayed {sent}, still dead {failed}", file=sys.stderr)
+
+
+def replay(config: Config, sink_name: str, *, timeout: float = 300.0, json_out: bool = False) -> int:
+    """Re-send every dead letter of one sink; returns an exit code (0 when all went through).
+    With ``json_out`` the counts are also printed on stdout as one JSON object."""
     sink_cfg = next((s for s in config.sinks if s.name == sink_name), None)
     if sink_cfg is None:
         print(f"sefwd: no sink named {sink_name!r} in the config", file=sys.stderr)
@@ -37,8 +47,11 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
         print(f"sefwd: {exc}", file=sys.stderr)
         return 1
     if not letters:
-        print(f"sink {sink_name}: no dead letters", file=sys.stderr)
         store.close()
+        if json_out:
+            _counts(sink_name, 0, 0, json_out)
+        else:
+            print(f"sink {sink_name}: no dead letters", file=sys.stderr)
         return 0
     stop = threading.Event()
     sink = load_sink_factory(sink_cfg.type)(
@@ -78,5 +91,5 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
         store.close()
         if sys.stderr.isatty():
             sys.stderr.write("\n")
-    print(f"sink {sink_name}: replayed {sent}, still dead {failed}", file=sys.stderr)
+    _counts(sink_name, sent, failed, json_out)
     return 0 if failed == 0 else 1

@@ -44,6 +44,7 @@ def register(subparsers: Any, prog: str | None = None) -> None:
                    help="allow a non-loopback --listen address (the emulator has no authentication)")
     p.add_argument("--scenario", metavar="NAME|FILE", help="built-in scenario name or scenario TOML file")
     p.add_argument("--list-scenarios", action="store_true", help="print the built-in scenarios and exit")
+    p.add_argument("--json", action="store_true", help="with --list-scenarios: one JSON object per scenario")
     p.add_argument("--vm", action="append", dest="vms", metavar="NAME",
                    help="an emulated VM (repeatable; the first is the default VM at the root prefix)")
     p.add_argument("--rate-limit", type=float, default=5, metavar="N",
@@ -132,7 +133,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.list_scenarios:
         for name in builtin_scenarios():
-            print(f"{name:26} {load_scenario(name).description}")
+            if getattr(args, "json", False):
+                print(orjson.dumps({"name": name, "description": load_scenario(name).description}).decode())
+            else:
+                print(f"{name:26} {load_scenario(name).description}")
         return 0
     host, port = _split_listen(args.listen)
     if not is_loopback(host) and not args.allow_remote:
