@@ -155,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
              "Every key of every section and of every built-in sink, with its default; optional "
              "sections are commented out.",
              "  sefwd config example > /etc/sefwd/config.toml", "exit codes: 0 ok")
+    p = _command(sub, "completion", "print a shell completion script (bash or zsh)",
+                 "Print a completion script for sefwd's commands and options, generated from this parser.",
+                 "  source <(sefwd completion bash)                        # this bash session\n"
+                 "  sefwd completion bash > /etc/bash_completion.d/sefwd\n"
+                 "  sefwd completion zsh > \"${fpath[1]}/_sefwd\"            # then: compinit",
+                 "exit codes: 0 ok, 2 unknown shell")
+    p.add_argument("shell", choices=("bash", "zsh"))
     return parser
 
 
@@ -478,6 +485,13 @@ def cmd_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_completion(args: argparse.Namespace) -> int:
+    import shtab
+
+    sys.stdout.write(shtab.complete(build_parser(), args.shell) + "\n")
+    return EXIT_OK
+
+
 def _os_problem(exc: OSError) -> str:
     """One line for an OSError a user can cause (a missing permission, a bad path, a busy port)."""
     import errno
@@ -505,6 +519,8 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         return cmd_status(args)
     if args.command == "deadletter":
         return cmd_deadletter(args)
+    if args.command == "completion":
+        return cmd_completion(args)
     if args.command == "emulator":
         from forwarder.emulator.cli import run as run_emulator
 
