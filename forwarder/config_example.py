@@ -249,7 +249,7 @@ def _comment(text: str, prefix: str = "# ") -> list[str]:
                          break_on_hyphens=False, break_long_words=False)
 
 
-def _checked(what: str, defined: Any, documented: Mapping[str, Any]) -> None:
+def _checked(what: str, defined: Any, documented: Any) -> None:
     missing, extra = set(defined) - set(documented), set(documented) - set(defined)
     if missing or extra:
         raise KeyError(f"config example of {what} is out of date: undocumented {sorted(missing)}, "
