@@ -61,6 +61,7 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0, json_out: 
     deadline = time.monotonic() + timeout
     start = time.monotonic()
     sent = failed = 0
+    interrupted = False
     batch_size = max(1, sink.max_batch)
     try:
         for i in range(0, len(letters), batch_size):
@@ -83,6 +84,7 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0, json_out: 
             _progress(sent + failed, len(letters), start)
     except KeyboardInterrupt:
         failed = len(letters) - sent  # the rest are still dead letters: nothing was removed early
+        interrupted = True
     except Exception as exc:  # a store fault or a sink that raises: what was not delivered stays
         print(f"sefwd: replay stopped: {type(exc).__name__}: {exc}", file=sys.stderr)
         failed = len(letters) - sent
@@ -92,4 +94,7 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0, json_out: 
         if sys.stderr.isatty():
             sys.stderr.write("\n")
     _counts(sink_name, sent, failed, json_out)
+    if interrupted:
+        print("sefwd: interrupted (Ctrl-C); the rest are still dead letters", file=sys.stderr)
+        return 130
     return 0 if failed == 0 else 1
