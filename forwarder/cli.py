@@ -205,10 +205,14 @@ def cmd_once(args: argparse.Namespace) -> int:
     from forwarder.imds import ImdsClient
     from forwarder.records import RecordFactory, utcnow
     from forwarder.service import resolve_identity
+    from forwarder.store import SavedState
+    from forwarder.waiting import WaitNotice
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
     imds = ImdsClient.from_config(config.imds)
+    notice = WaitNotice(_say, f"once: waiting for IMDS at {config.imds.endpoint} (the first answer can take up "
+                        f"to {config.imds.first_call_timeout:g} s; Ctrl-C gives up)", first=2.0).start()
     try:
         fetch = imds.scheduled_events()
     except ImdsError as exc:
@@ -217,6 +221,8 @@ def cmd_once(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - `once` answers with its exit code, never a traceback
         print(f"sefwd: IMDS not reachable: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    finally:
+        notice.close()
     try:
         saved = _saved_state(config.state.dir)
     except (ForwarderError, OSError):
