@@ -503,10 +503,10 @@ def _os_problem(exc: OSError) -> str:
     import errno
 
     what = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is not None:
+        what = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "") + f": {what}"
     if exc.errno in (errno.EACCES, errno.EPERM):
         what += " (run as the user that owns the agent's files, or with sudo)"
-    if exc.filename is not None:
-        return f"{what}: {exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
     return what
 
 
