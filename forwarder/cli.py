@@ -171,12 +171,16 @@ def _setup_logging(args: argparse.Namespace, config_level: str | None = None) ->
     setup_logging(args.log_level or config_level or "info")
 
 
+_RECEIVED: list[int] = []  # the signals that asked a foreground command to stop
+
+
 def _install_signals(stop: threading.Event) -> None:
     """First SIGTERM/SIGINT: stop gracefully. Second: exit at once (state on disk stays valid)."""
 
     def handler(signum: int, frame: object) -> None:
         if stop.is_set():
             os._exit(128 + signum)
+        _RECEIVED.append(signum)
         log.info("received %s, shutting down (send again to exit at once)", signal.Signals(signum).name)
         stop.set()
 
@@ -308,10 +312,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
         stop.set()
         runner.join(30)
         records, events = _demo_counts(agent, emulator)
-        how = "stopped by Ctrl-C" if interrupted else "scenario finished" if finished else "the scenario did not finish in time"
+        signum = _RECEIVED[-1] if _RECEIVED else signal.SIGINT
+        how = ("stopped by " + ("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name) if interrupted
+               else "scenario finished" if finished else "the scenario did not finish in time")
         print(f"sefwd demo: {records} record(s) about {events} event(s), {how}", file=sys.stderr)
         if interrupted:
-            return EXIT_INTERRUPTED
+            return 128 + signum  # 130 for Ctrl-C, as shells report it
         if not finished:
             return EXIT_FAILURE
         return result.get("rc", EXIT_FAILURE)
