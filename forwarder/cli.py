@@ -9,6 +9,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,8 @@ from forwarder import __version__
 from forwarder.errors import ConfigError, ForwarderError
 
 if TYPE_CHECKING:
+    from forwarder.emulator import Emulator
+    from forwarder.service import Agent
     from forwarder.store import SavedState
 
 log = logging.getLogger("forwarder")
@@ -26,23 +29,43 @@ EXIT_FAILURE = 1
 EXIT_CONFIG = 2
 EXIT_BAD_DOCUMENT = 3
 EXIT_DEGRADED = 4  # `sefwd status`: the agent runs, but something needs attention
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", metavar="FILE", help="config file (default: $SEFWD_CONFIG, then /etc/sefwd/config.toml, then built-in defaults)")
 
 
+EXIT_CODES = ("exit codes: 0 ok, 1 failure (unreachable endpoint, missing permission, bad path), "
+              "2 config or usage error, 130 Ctrl-C")
+
+
+def _command(sub: argparse._SubParsersAction, name: str, summary: str, description: str, examples: str,
+             exit_codes: str = EXIT_CODES) -> argparse.ArgumentParser:
+    """A subcommand with a one-line summary (in ``sefwd --help``), a description and examples."""
+    return sub.add_parser(name, help=summary, description=description,
+                          epilog=f"examples:\n{examples}\n\n{exit_codes}",
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sefwd",
         description="Forward Azure Scheduled Events (IMDS) as durable CloudEvents records.",
+        epilog="Try it without Azure: sefwd demo. Help on one command: sefwd COMMAND --help.\n"
+               "exit codes: 0 ok, 1 failure, 2 config or usage error, 3 bad IMDS document (once), "
+               "4 degraded (status), 130 Ctrl-C",
     )
     parser.add_argument("--version", action="version", version=f"sefwd {__version__}")
     parser.add_argument("--log-level", default=None, help="debug, info, warning or error (default: from config, info)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    p = sub.add_parser("demo", help="run a built-in scenario on the embedded IMDS emulator, records to stdout")
+    p = _command(sub, "demo", "run a built-in scenario on the embedded IMDS emulator, records to stdout",
+                 "Start the IMDS emulator with a scenario, run the agent against it with a temporary state "
+                 "dir, print every record, and stop when the scenario is over (or at Ctrl-C) with a summary line.",
+                 "  sefwd demo\n  sefwd demo --scenario spot-preempt --json | jq .type\n"
+                 "  sefwd emulator --list-scenarios     # the scenarios there are")
     _add_config_arg(p)
     p.add_argument("--scenario", default="demo", help="built-in scenario name or scenario file (default: demo)")
     fmt = p.add_mutually_exclusive_group()
@@ -50,11 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--json", dest="pretty", action="store_false", help="one JSON record per line")
     p.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds (default 120)")
 
-    p = sub.add_parser("run", help="run the agent (the service)")
+    p = _command(sub, "run", "run the agent (the service)",
+                 "Poll IMDS, store every change as a CloudEvents record and deliver it to the configured "
+                 "sinks, until SIGTERM or Ctrl-C. Until IMDS first answers it says what it waits for.",
+                 "  sefwd run                          # /etc/sefwd/config.toml, or $SEFWD_CONFIG\n"
+                 "  sefwd run -c ./config.toml --log-level debug",
+                 "exit codes: 0 stopped (SIGTERM or Ctrl-C; a second one exits at once), 1 failure, "
+                 "2 config error")
     _add_config_arg(p)
     p.add_argument("--pretty", action="store_true", help="human-readable stdout sink output")
 
-    p = sub.add_parser("once", help="poll IMDS once and print the current events as records")
+    p = _command(sub, "once", "poll IMDS once and print the current events as records",
+                 "One GET of the Scheduled Events document, printed as records (one JSON line each) "
+                 "on stdout; changes no state.",
+                 "  sefwd once\n  sefwd once --pretty",
+                 "exit codes: 0 ok, 1 IMDS not reachable, 2 config error, 3 IMDS answered a document "
+                 "sefwd cannot read, 130 Ctrl-C")
     _add_config_arg(p)
     p.add_argument("--pretty", action="store_true", help="human-readable lines")
 
@@ -62,7 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_emulator(sub)
 
-    p = sub.add_parser("approve", help="approve events now (POST StartRequests to IMDS), audited")
+    p = _command(sub, "approve", "approve events now (POST StartRequests to IMDS), audited",
+                 "Ask IMDS to start scheduled events now, within [approval] scope; every attempt "
+                 "becomes an approval.* record. The result is printed on stdout.",
+                 "  sefwd approve 602d9444-d2cd-49c7-8624-8643e7171297 --reason 'drained'\n"
+                 "  sefwd approve ID1 ID2 --scope any --json",
+                 "exit codes: 0 approved, 1 refused or failed, 2 config error, 130 Ctrl-C")
     _add_config_arg(p)
     p.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
     p.add_argument("--reason", help="why (kept in the audit record)")
@@ -70,28 +109,59 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override [approval] scope for this approval (say 'any' to approve an event of several VMs from a non-leader)")
     p.add_argument("--json", action="store_true", help="print the outcome as JSON")
 
-    p = sub.add_parser("status", help="backlog, dead letters and last poll per sink, current events")
+    p = _command(sub, "status", "backlog, dead letters and last poll per sink, current events",
+                 "Read the agent's state dir (works with the agent up or down) and say whether it runs "
+                 "and is healthy.",
+                 "  sefwd status\n  sefwd status --json | jq .health",
+                 "exit codes: 0 healthy, 1 not running (or state unreadable), 2 config error, "
+                 "4 running but degraded (the reasons are on the health line)")
     _add_config_arg(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    p = sub.add_parser("deadletter", help="inspect and re-send records a sink rejected")
+    p = _command(sub, "deadletter", "inspect and re-send records a sink rejected",
+                 "Records a sink refused for good are kept as dead letters, per sink.",
+                 "  sefwd deadletter list\n  sefwd deadletter list hook --json\n  sefwd deadletter replay hook")
     dsub = p.add_subparsers(dest="deadletter_command", metavar="ACTION")
     dsub.required = True
-    d = dsub.add_parser("list", help="list dead letters (of one sink, or all)")
+    d = _command(dsub, "list", "list dead letters (of one sink, or all)",
+                 "One line per dead letter: sink, time, reason, type, id, subject, detail.",
+                 "  sefwd deadletter list\n  sefwd deadletter list hook --json | jq .record.id",
+                 "exit codes: 0 ok, 1 state unreadable, 2 unknown sink name or config error")
     _add_config_arg(d)
     d.add_argument("sink", nargs="?", help="sink name")
     d.add_argument("--json", action="store_true", help="one JSON object per line")
-    d = dsub.add_parser("replay", help="send a sink's dead letters again; what fails again stays a dead letter")
+    d = _command(dsub, "replay", "send a sink's dead letters again; what fails again stays a dead letter",
+                 "Send one sink's dead letters again, retrying transient failures until --timeout.",
+                 "  sefwd deadletter replay hook\n  sefwd deadletter replay hook --timeout 60 --json")
     _add_config_arg(d)
     d.add_argument("sink", help="sink name")
     d.add_argument("--timeout", type=float, default=300.0, help="give up retrying after this many seconds (default 300)")
+    d.add_argument("--json", action="store_true", help='print {"sink": ..., "replayed": N, "still_dead": M} on stdout')
 
-    p = sub.add_parser("config", help="validate the config or print an annotated example")
+    p = _command(sub, "config", "validate the config or print an annotated example",
+                 "Check a config file (every problem at once) or print an example with every key.",
+                 "  sefwd config check -c ./config.toml\n  sefwd config example > config.toml")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION")
     csub.required = True
-    c = csub.add_parser("check", help="validate; lists every problem")
+    c = _command(csub, "check", "validate; lists every problem",
+                 "Load the config as the agent would (file, then SEFWD_* environment overrides) and list "
+                 "every problem, or print the effective settings.",
+                 "  sefwd config check\n  sefwd config check -c ./config.toml --json",
+                 "exit codes: 0 valid, 2 invalid (every problem is listed)")
     _add_config_arg(c)
-    csub.add_parser("example", help="print an annotated example config")
+    c.add_argument("--json", action="store_true",
+                   help='print {"valid": ..., "source": ..., "problems": [...]} on stdout')
+    _command(csub, "example", "print an annotated example config",
+             "Every key of every section and of every built-in sink, with its default; optional "
+             "sections are commented out.",
+             "  sefwd config example > /etc/sefwd/config.toml", "exit codes: 0 ok")
+    p = _command(sub, "completion", "print a shell completion script (bash or zsh)",
+                 "Print a completion script for sefwd's commands and options, generated from this parser.",
+                 "  source <(sefwd completion bash)                        # this bash session\n"
+                 "  sefwd completion bash > /etc/bash_completion.d/sefwd\n"
+                 "  sefwd completion zsh > \"${fpath[1]}/_sefwd\"            # then: compinit",
+                 "exit codes: 0 ok, 2 unknown shell")
+    p.add_argument("shell", choices=("bash", "zsh"))
     return parser
 
 
@@ -101,12 +171,16 @@ def _setup_logging(args: argparse.Namespace, config_level: str | None = None) ->
     setup_logging(args.log_level or config_level or "info")
 
 
+_RECEIVED: list[int] = []  # the signals that asked a foreground command to stop
+
+
 def _install_signals(stop: threading.Event) -> None:
     """First SIGTERM/SIGINT: stop gracefully. Second: exit at once (state on disk stays valid)."""
 
     def handler(signum: int, frame: object) -> None:
         if stop.is_set():
             os._exit(128 + signum)
+        _RECEIVED.append(signum)
         log.info("received %s, shutting down (send again to exit at once)", signal.Signals(signum).name)
         stop.set()
 
@@ -135,10 +209,14 @@ def cmd_once(args: argparse.Namespace) -> int:
     from forwarder.imds import ImdsClient
     from forwarder.records import RecordFactory, utcnow
     from forwarder.service import resolve_identity
+    from forwarder.store import SavedState
+    from forwarder.waiting import WaitNotice
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
     imds = ImdsClient.from_config(config.imds)
+    notice = WaitNotice(_say, f"once: waiting for IMDS at {config.imds.endpoint} (the first answer can take up "
+                        f"to {config.imds.first_call_timeout:g} s; Ctrl-C gives up)", first=2.0).start()
     try:
         fetch = imds.scheduled_events()
     except ImdsError as exc:
@@ -147,6 +225,8 @@ def cmd_once(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - `once` answers with its exit code, never a traceback
         print(f"sefwd: IMDS not reachable: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    finally:
+        notice.close()
     try:
         saved = _saved_state(config.state.dir)
     except (ForwarderError, OSError):
@@ -224,16 +304,48 @@ def cmd_demo(args: argparse.Namespace) -> int:
         result: dict[str, int] = {}
         runner = threading.Thread(target=lambda: result.setdefault("rc", agent.run()), name="agent", daemon=True)
         runner.start()
-        finished = emulator.wait_finished(args.timeout)
-        if finished and agent.ready.wait(10) and agent.poller is not None:
+        finished = _wait_finished(emulator, stop, args.timeout)
+        interrupted = stop.is_set()
+        if finished and not interrupted and agent.ready.wait(10) and agent.poller is not None:
             # One more poll after the scenario ended, so the last removal is seen.
             agent.poller.wait_for_polls(agent.poller.stats.polls + 2, 10)
         stop.set()
         runner.join(30)
+        records, events = _demo_counts(agent, emulator)
+        signum = _RECEIVED[-1] if _RECEIVED else signal.SIGINT
+        how = ("stopped by " + ("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name) if interrupted
+               else "scenario finished" if finished else "the scenario did not finish in time")
+        print(f"sefwd demo: {records} record(s) about {events} event(s), {how}", file=sys.stderr)
+        if interrupted:
+            return 128 + signum  # 130 for Ctrl-C, as shells report it
         if not finished:
-            print("sefwd demo: the scenario did not finish in time", file=sys.stderr)
             return EXIT_FAILURE
         return result.get("rc", EXIT_FAILURE)
+
+
+def _wait_finished(emulator: Emulator, stop: threading.Event, timeout: float) -> bool:
+    """Until the scenario ended (True), Ctrl-C or the timeout (False): a stop is seen at once."""
+    deadline = time.monotonic() + timeout
+    while not stop.is_set():
+        if emulator.finished.is_set():
+            return True
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        stop.wait(min(0.1, left))
+    return False
+
+
+def _demo_counts(agent: Agent, emulator: Emulator) -> tuple[int, int]:
+    """Records the demo's sinks got (the most any sink got) and scheduled events the scenario made."""
+    outbox = agent.outbox
+    records = max((w.stats.delivered for w in outbox.workers.values()), default=0) if outbox is not None else 0
+    try:
+        history = emulator.stats().get("history") or []
+        events = len({h.get("event_id") for h in history if isinstance(h, dict) and h.get("event_id")})
+    except Exception:  # noqa: BLE001 - a summary line must not fail the demo
+        events = 0
+    return records, events
 
 
 def cmd_approve(args: argparse.Namespace) -> int:
@@ -243,12 +355,14 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
     from forwarder.approval.approver import APPROVED, Approver
     from forwarder.config import load_config
-    from forwarder.imds import ImdsClient
+    from forwarder.imds import RETRY_DEADLINE, ImdsClient
     from forwarder.service import resolve_identity
     from forwarder.store import Store
+    from forwarder.waiting import WaitNotice
 
     config = load_config(args.config)
-    _setup_logging(args, config.agent.log_level)
+    # The result goes to stdout; at the default level no log line repeats it on stderr.
+    _setup_logging(args, "warning")
 
     def audit(entry: dict[str, object]) -> None:
         # The store's inbox: the running agent commits it as a record; with no agent running, the next start does.
@@ -260,13 +374,16 @@ def cmd_approve(args: argparse.Namespace) -> int:
             store.close()
 
     imds = ImdsClient.from_config(config.imds)
-    vm = resolve_identity(imds, _saved_state(config.state.dir))
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid:{os.getuid()}" if hasattr(os, "getuid") else "unknown"
-    approver = Approver(config.approval, imds, lambda: vm, audit, config.state.dir, threading.Event())
-    attempt = approver.approve(args.event_ids, actor="cli", approver=user, reason=args.reason, scope=args.scope)
+    # IMDS may be slow or unreachable (each call retries for up to 90 s): say so after 2 s, not nothing.
+    with WaitNotice(_say, f"approve: waiting for IMDS at {config.imds.endpoint} (retrying for up to "
+                    f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)", first=2.0):
+        vm = resolve_identity(imds, _saved_state(config.state.dir))
+        approver = Approver(config.approval, imds, lambda: vm, audit, config.state.dir, threading.Event())
+        attempt = approver.approve(args.event_ids, actor="cli", approver=user, reason=args.reason, scope=args.scope)
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(attempt.answer()) + b"\n")
     else:
@@ -279,6 +396,11 @@ def cmd_approve(args: argparse.Namespace) -> int:
         if attempt.detail:
             print(attempt.detail, file=sys.stderr)
     return EXIT_OK if attempt.outcome == APPROVED else EXIT_FAILURE
+
+
+def _say(line: str) -> None:
+    """A progress line for a person, on stderr (stdout carries results only)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def _saved_state(state_dir: Path) -> SavedState:
@@ -347,14 +469,27 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
         return EXIT_OK
     from forwarder.replay import replay
 
-    return replay(config, args.sink, timeout=args.timeout)
+    return replay(config, args.sink, timeout=args.timeout, json_out=args.json)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from forwarder.config import EXAMPLE_CONFIG, describe, load_config
+    from forwarder.config import describe, load_config
+    from forwarder.config_example import shipped
 
     if args.config_command == "example":
-        sys.stdout.write(EXAMPLE_CONFIG)
+        sys.stdout.write(shipped())
+        return EXIT_OK
+    if args.json:
+        import orjson
+
+        try:
+            config = load_config(args.config)
+        except ConfigError as exc:
+            answer = {"valid": False, "source": args.config, "problems": exc.problems}
+            sys.stdout.buffer.write(orjson.dumps(answer, option=orjson.OPT_INDENT_2) + b"\n")
+            return EXIT_CONFIG
+        answer = {"valid": True, "source": config.source, "problems": []}
+        sys.stdout.buffer.write(orjson.dumps(answer, option=orjson.OPT_INDENT_2) + b"\n")
         return EXIT_OK
     config = load_config(args.config)
     print(describe(config))
@@ -362,35 +497,90 @@ def cmd_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "run":
-            return cmd_run(args)
-        if args.command == "once":
-            return cmd_once(args)
-        if args.command == "demo":
-            return cmd_demo(args)
-        if args.command == "config":
-            return cmd_config(args)
-        if args.command == "approve":
-            return cmd_approve(args)
-        if args.command == "status":
-            return cmd_status(args)
-        if args.command == "deadletter":
-            return cmd_deadletter(args)
-        if args.command == "emulator":
-            from forwarder.emulator.cli import run as run_emulator
+def cmd_completion(args: argparse.Namespace) -> int:
+    import shtab
 
-            return run_emulator(args)
+    sys.stdout.write(shtab.complete(build_parser(), args.shell) + "\n")
+    return EXIT_OK
+
+
+def _os_problem(exc: OSError) -> str:
+    """One line for an OSError a user can cause (a missing permission, a bad path, a busy port)."""
+    import errno
+
+    what = exc.strerror or str(exc) or type(exc).__name__
+    if exc.filename is not None:
+        what = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "") + f": {what}"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        what += " (run as the user that owns the agent's files, or with sudo)"
+    return what
+
+
+def _dispatch(args: argparse.Namespace) -> int | None:
+    if args.command == "run":
+        return cmd_run(args)
+    if args.command == "once":
+        return cmd_once(args)
+    if args.command == "demo":
+        return cmd_demo(args)
+    if args.command == "config":
+        return cmd_config(args)
+    if args.command == "approve":
+        return cmd_approve(args)
+    if args.command == "status":
+        return cmd_status(args)
+    if args.command == "deadletter":
+        return cmd_deadletter(args)
+    if args.command == "completion":
+        return cmd_completion(args)
+    if args.command == "emulator":
+        from forwarder.emulator.cli import run as run_emulator
+
+        return run_emulator(args)
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Every failure a user can cause ends as one line on stderr and a documented exit code:
+    0 ok, 1 failure, 2 config or usage, 3 bad document (``once``), 4 degraded (``status``), 130 Ctrl-C.
+    """
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        rc = _dispatch(args)
     except ConfigError as exc:
         print(f"sefwd: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     except ForwarderError as exc:
         print(f"sefwd: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("sefwd: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
+        _quiet_stdout()
         return EXIT_OK
-    parser.error(f"unknown command {args.command!r}")
-    return EXIT_CONFIG
+    except OSError as exc:
+        print(f"sefwd: {_os_problem(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
+    except Exception as exc:  # noqa: BLE001 - a bug still gets one line; the traceback only at debug level
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            import traceback
+
+            traceback.print_exc()
+        print(f"sefwd: unexpected error: {type(exc).__name__}: {exc} "
+              "(run with --log-level debug to see where)", file=sys.stderr)
+        return EXIT_FAILURE
+    if rc is None:
+        parser.error(f"unknown command {args.command!r}")
+    return rc
+
+
+def _quiet_stdout() -> None:
+    """After a closed pipe (``sefwd ... | head``), do not fail again flushing stdout at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass

@@ -65,7 +65,9 @@ class VmIdentity:
 
     @property
     def source(self) -> str:
-        """CloudEvents ``source``: the resource id, else ``/vm/<vmId>``, else ``/host/<name>``."""
+        """CloudEvents ``source``: the resource id; ``/vm/<vmId>`` when instance metadata gave a vmId
+        but no resourceId; ``/host/<hostname>`` only when instance metadata was never readable
+        (no vmId exists then; README "Records" documents all three)."""
         if self.resource_id:
             return self.resource_id
         if self.vm_id:

@@ -108,15 +108,38 @@ class RateLimitedLog:
             self._last[key] = (last[0], last[1] + 1)
             return
         suppressed = last[1] if last else 0
-        if suppressed:
-            msg += " (repeated %d times since last report)"
-            args = (*args, suppressed)
+        if suppressed and last is not None:
+            msg += " (and %d more like it in the %.0f s since the last report)"
+            args = (*args, suppressed, now - last[0])
         self._last[key] = (now, 0)
         self._log.log(level, msg, *args)
 
     def clear(self, key: str) -> None:
         """The condition is over: the next occurrence is logged at once."""
         self._last.pop(key, None)
+
+    def clear_all(self) -> None:
+        """Every condition is over (e.g. a send succeeded)."""
+        self._last.clear()
+
+
+_ERRNO_TEXT = re.compile(r"\[Errno -?\d+\] ([^'\"()\]]+)")
+
+
+def short_reason(exc: BaseException) -> str:
+    """A few words for a network error ("connection refused", "name not resolved", "timed out"),
+    instead of the ~300 characters urllib3 nests into one requests exception."""
+    text = str(exc)
+    if "NameResolution" in text or "Name or service not known" in text or "nodename nor servname" in text:
+        return "host name not resolved"
+    m = _ERRNO_TEXT.search(text)
+    if m:
+        return m.group(1).strip().rstrip(".").lower()
+    if "timed out" in text.lower():
+        return "timed out"
+    if "RemoteDisconnected" in text or "Connection aborted" in text:
+        return "connection closed by the receiver"
+    return type(exc).__name__
 
 
 class OnceLog:

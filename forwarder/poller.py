@@ -103,6 +103,7 @@ class Poller:
         self.inbox: deque[dict[str, Any]] = deque()
         self._inbox_failures, self._inbox_due = 0, 0.0  # failed inbox commits in a row; next try (monotonic)
         self.on_changes: Callable[[list[Change], list[Record]], None] | None = None
+        self.on_first_answer: Callable[[], None] | None = None  # e.g. rewrite the status report now
 
     # -- one cycle -------------------------------------------------------------------------
     def poll_once(self) -> float:
@@ -114,7 +115,13 @@ class Poller:
         except ImdsError as exc:
             return self._failed(exc)
         self.stats.consecutive_failures = 0
+        first_answer = self.stats.last_ok_wall is None
         self.stats.last_ok_wall = self._wall()
+        if first_answer and self.on_first_answer is not None:
+            try:
+                self.on_first_answer()
+            except Exception as exc:  # noqa: BLE001 - advisory; the poll goes on
+                log.warning("after the first IMDS answer: %s", exc)
         # A gap between two good polls longer than the waits in between (plus 1 s) is a pause.
         self.evidence.observe_poll(started_mono, started_wall, self._waited_since_ok + 1.0)
         self._waited_since_ok = 0.0

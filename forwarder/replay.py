@@ -24,8 +24,18 @@ def _progress_bar(total: int) -> tqdm[NoReturn]:
                 leave=False, dynamic_ncols=True)
 
 
-def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
-    """Re-send every dead letter of one sink; returns an exit code (0 when all went through)."""
+def _counts(sink_name: str, sent: int, failed: int, json_out: bool) -> None:
+    if json_out:
+        import orjson
+
+        sys.stdout.buffer.write(orjson.dumps({"sink": sink_name, "replayed": sent, "still_dead": failed}) + b"\n")
+        sys.stdout.flush()
+    print(f"sink {sink_name}: replayed {sent}, still dead {failed}", file=sys.stderr)
+
+
+def replay(config: Config, sink_name: str, *, timeout: float = 300.0, json_out: bool = False) -> int:
+    """Re-send every dead letter of one sink; returns an exit code (0 when all went through).
+    With ``json_out`` the counts are also printed on stdout as one JSON object."""
     sink_cfg = next((s for s in config.sinks if s.name == sink_name), None)
     if sink_cfg is None:
         print(f"sefwd: no sink named {sink_name!r} in the config", file=sys.stderr)
@@ -37,8 +47,11 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
         print(f"sefwd: {exc}", file=sys.stderr)
         return 1
     if not letters:
-        print(f"sink {sink_name}: no dead letters", file=sys.stderr)
         store.close()
+        if json_out:
+            _counts(sink_name, 0, 0, json_out)
+        else:
+            print(f"sink {sink_name}: no dead letters", file=sys.stderr)
         return 0
     stop = threading.Event()
     try:
@@ -53,6 +66,7 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
     backoff, rng = Backoff(initial=0.5, maximum=10.0), random.Random()
     deadline = time.monotonic() + timeout
     sent = failed = 0
+    interrupted = False
     batch_size = max(1, sink.max_batch)
     bar = _progress_bar(len(letters))
     try:
@@ -76,6 +90,7 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
             bar.update(len(chunk))
     except KeyboardInterrupt:
         failed = len(letters) - sent  # the rest are still dead letters: nothing was removed early
+        interrupted = True
     except Exception as exc:  # a store fault or a sink that raises: what was not delivered stays
         failed = len(letters) - sent
         print(f"sefwd: replay stopped: {type(exc).__name__}: {exc}; the {failed} dead letter(s) not delivered "
@@ -84,5 +99,8 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0) -> int:
         bar.close()
         sink.close()
         store.close()
-    print(f"sink {sink_name}: replayed {sent}, still dead {failed}", file=sys.stderr)
+    _counts(sink_name, sent, failed, json_out)
+    if interrupted:
+        print("sefwd: interrupted (Ctrl-C); the rest are still dead letters", file=sys.stderr)
+        return 130
     return 0 if failed == 0 else 1

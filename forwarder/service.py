@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from datetime import datetime
 from typing import Any
 
 from forwarder import __version__
@@ -14,13 +15,14 @@ from forwarder.extension_heartbeat import HeartbeatFile
 from forwarder.identity import VmIdentity
 from forwarder.imds import ImdsClient
 from forwarder.poller import Poller
-from forwarder.records import RecordFactory, rfc3339
+from forwarder.records import RecordFactory, rfc3339, utcnow
 from forwarder.retry import Backoff
 from forwarder.recovery import Loss, lock_state_dir, open_agent_store
 from forwarder.sinkapi import Sink, SinkContext, load_sink_factory
 from forwarder.status import StatusReporter
 from forwarder.store import DB_FILE, SavedState, Store
 from forwarder.telemetry import NO_TELEMETRY, NullTelemetry, create_telemetry
+from forwarder.waiting import WaitNotice
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +67,24 @@ class Agent:
         self.stop = stop or threading.Event()
         self.pretty = pretty
         self.poller: Poller | None = None
+        self.outbox: Dispatcher | None = None
         self.approver: Any = None
         self.callback: Any = None
         self.telemetry: NullTelemetry = NO_TELEMETRY
         self.ready = threading.Event()
         self.loss: Loss | None = None
         self.refusals: Any = None
+        self.waiting_since: datetime | None = None  # until IMDS first answered (status: "waiting for IMDS")
+
+    def waiting_message(self) -> str:
+        imds = self.config.imds
+        waited = (utcnow() - self.waiting_since).total_seconds() if self.waiting_since is not None else 0.0
+        still = f"still waiting for IMDS at {imds.endpoint} after {waited:.0f} s" if waited >= 1 else \
+            f"waiting for IMDS at {imds.endpoint}"
+        return f"{still}; the first answer can take up to {imds.first_call_timeout:g} s"
+
+    def _answered(self) -> bool:
+        return self.poller is not None and self.poller.stats.last_ok_wall is not None
 
     def _outbox(self, store: Store) -> Dispatcher:
         cfg = self.config
@@ -128,6 +142,7 @@ class Agent:
             data["data_lost"] = self.loss.record_data()
         data["imds"] = {
             "endpoint": self.config.imds.endpoint,
+            "waiting_since": rfc3339(self.waiting_since) if st.last_ok_wall is None else None,
             "api_version": self.config.imds.api_version,
             "polls": st.polls,
             "imds_errors": st.imds_errors,
@@ -170,7 +185,14 @@ class Agent:
             imds = ImdsClient.from_config(cfg.imds, stop=self.stop)
             # Before the sinks are built, so they can be observed; a no-op unless [telemetry] is set.
             telemetry = self.telemetry = create_telemetry(cfg.telemetry, cfg.state.dir)
-            outbox = self._outbox(store)
+            outbox = self.outbox = self._outbox(store)
+            # From the first second, say what we wait for (instance metadata, then the first poll
+            # can each take long): on stderr every 30 s, and in the status report for `sefwd status`.
+            self.waiting_since = utcnow()
+            StatusReporter(store, lambda: {"imds": {"endpoint": cfg.imds.endpoint,
+                                                    "waiting_since": rfc3339(self.waiting_since)}},
+                           self.stop).write()
+            notice = WaitNotice(log.info, self.waiting_message, done=self._answered, stop=self.stop).start()
             try:
                 vm = resolve_identity(imds, state)
                 factory = RecordFactory(vm, cfg.imds.api_version, sequence=state.sequence)
@@ -196,12 +218,14 @@ class Agent:
                 reporter = StatusReporter(store, lambda: self.snapshot(outbox, poller), self.stop)
                 reporter.write()
                 reporter.start()
+                poller.on_first_answer = reporter.write  # "waiting for IMDS" ends in the report at once
                 if cfg.agent.heartbeat_file is not None:  # set by the Azure VM extension
                     HeartbeatFile(cfg.agent.heartbeat_file, lambda: self.snapshot(outbox, poller), self.stop).start()
                 telemetry.bind(snapshot=outbox.snapshot, poller=poller)
                 telemetry.start()
                 self.ready.set()
                 poller.run()
+                notice.close()
                 if self.callback is not None:  # no new approvals once stopping
                     self.callback.stop()
                     self.callback = None
@@ -211,6 +235,7 @@ class Agent:
                 # Stopping: the stopped record must still get out, so do not let `stop` abort it.
                 poller.emit_lifecycle("stopped", Reason="shutdown", UptimeSeconds=poller.heartbeat_data()["UptimeSeconds"])
             finally:
+                notice.close()
                 if self.callback is not None:
                     self.callback.stop()
                 if self.approver is not None:

@@ -132,11 +132,13 @@ def health(s: dict[str, Any]) -> tuple[str, list[str]]:
         return "not_running", ["the agent is not running"]
     reasons = []
     agent = s.get("agent") or {}
+    imds = agent.get("imds") or {}
     if not agent:
         reasons.append("no status report yet")
+    elif imds.get("waiting_since"):
+        reasons.append(f"waiting for IMDS since {imds['waiting_since']}")
     if s.get("error"):
         reasons.append("the store is unreadable")
-    imds = agent.get("imds") or {}
     if imds.get("consecutive_failures"):
         reasons.append(f"the last {imds['consecutive_failures']} IMDS poll(s) failed")
     reasons += [f"sink {name} is stuck" for name, sk in sorted((agent.get("sinks") or {}).items()) if sk.get("stuck")]
@@ -163,12 +165,16 @@ def format_status(s: dict[str, Any]) -> str:
         except (KeyError, ValueError):
             pass
         imds = agent.get("imds", {})
+        if imds.get("waiting_since") and s["running"]:
+            lines.append(f"waiting for IMDS at {imds.get('endpoint')} since {imds['waiting_since']} (no answer yet)")
         lines.append(
             f"last poll ok: {imds.get('last_poll_ok') or 'never'}; polls {imds.get('polls', 0)}, "
             f"IMDS errors {imds.get('imds_errors', 0)}, bad documents {imds.get('bad_documents', 0)}{age}"
         )
         st = agent.get("store", {})
-        lines.append(f"store: {st.get('path', '')}, {st.get('size_bytes', 0)} bytes of records, next {st.get('next_index', 0)}")
+        if st:
+            lines.append(f"store: {st.get('path', '')}, {st.get('size_bytes', 0)} bytes of records, "
+                         f"next {st.get('next_index', 0)}")
         for name, sk in sorted(agent.get("sinks", {}).items()):
             oldest = sk.get("oldest_undelivered_age_s")
             lines.append(
@@ -181,6 +187,8 @@ def format_status(s: dict[str, Any]) -> str:
         if agent.get("data_lost"):
             lost = agent["data_lost"]
             lines.append(f"DATA LOST at start: {lost.get('Reason')} ({lost.get('Detail')}); set aside as {lost.get('RenamedTo')}")
+    elif s["running"]:
+        lines.append("no status report yet (the agent is starting)")
     else:
         lines.append("no status report yet (the agent has not run with this state dir)")
     for name, reasons in sorted(s.get("lost", {}).items()):

@@ -44,7 +44,7 @@ import requests
 
 from forwarder import __version__
 from forwarder.errors import ConfigError
-from forwarder.logutil import redact
+from forwarder.logutil import RateLimitedLog, redact, short_reason
 from forwarder.retry import is_retryable_status, parse_retry_after
 from forwarder.signing import load_secret, sign_headers
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
@@ -184,6 +184,10 @@ class WebhookSink:
         self.url = options["url"].strip()
         self._safe_url = redact(self.url)
         self._query = urlsplit(self.url).query
+        parts = urlsplit(self.url)
+        self._hostport = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        # A dead receiver fails every retry the same way: one line a minute per kind, with a count.
+        self._errors = RateLimitedLog(log)
         self.timeout = parse_duration(options.get("timeout", DEFAULT_TIMEOUT))
         self.batch_size = int(options.get("batch_size", 1))
         self.max_batch = self.batch_size
@@ -323,16 +327,21 @@ class WebhookSink:
             except requests.exceptions.SSLError as exc:
                 # Usually needs a human (expired or untrusted certificate), but the record must not
                 # be lost: retry, loudly.
-                log.error("sink %r: TLS error talking to %s: %s (records kept, will retry; "
-                          "check the receiver's certificate or set ca_file)",
-                          self.name, self._safe_url, self._redact(str(exc)))
+                self._errors.log(logging.ERROR, "tls", "sink %r: TLS error talking to %s: %s (records kept, will "
+                                 "retry; check the receiver's certificate or set ca_file)",
+                                 self.name, self._safe_url, self._redact(str(exc)))
                 return Retry(reason="tls_error")
             except requests.exceptions.Timeout:
-                log.warning("sink %r: %s did not answer within %gs", self.name, self._safe_url, self.timeout)
+                self._errors.log(logging.WARNING, "timeout", "sink %r: %s did not answer within %gs",
+                                 self.name, self._safe_url, self.timeout)
                 return Retry(reason="timeout")
             except requests.exceptions.RequestException as exc:
-                log.warning("sink %r: cannot reach %s: %s", self.name, self._safe_url, self._redact(str(exc)))
+                reason = short_reason(exc)
+                self._errors.log(logging.WARNING, f"connect:{reason}", "sink %r: cannot reach %s (%s); records kept, "
+                                 "will retry", self.name, self._hostport, reason)
+                log.debug("sink %r: %s: %s", self.name, self._safe_url, self._redact(str(exc)))
                 return Retry(reason="connection_error")
+            self._errors.clear_all()  # the receiver answered: the next failure is news again
             if self._handshake and response.status_code in (401, 403):
                 # The permission may have been withdrawn: the records wait and the next attempt
                 # (after the dispatcher's backoff) asks again; a refusal then keeps them waiting.

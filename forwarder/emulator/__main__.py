@@ -10,7 +10,7 @@ from forwarder.errors import ConfigError, ForwarderError
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m forwarder.emulator")
-    register(parser.add_subparsers(dest="command"))
+    register(parser.add_subparsers(dest="command"), prog="python -m forwarder.emulator")
     args = parser.parse_args(["emulator", *(sys.argv[1:] if argv is None else argv)])
     try:
         return run(args)

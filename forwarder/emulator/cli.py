@@ -21,11 +21,23 @@ log = logging.getLogger(__name__)
 DEFAULT_LISTEN = "127.0.0.1:8169"
 
 
-def register(subparsers: Any) -> None:
-    """Add the ``emulator`` subcommand (and its ``ctl`` client) to an argparse subparsers object."""
+def register(subparsers: Any, prog: str | None = None) -> None:
+    """Add the ``emulator`` subcommand (and its ``ctl`` client) to an argparse subparsers object;
+    ``prog`` names the command in usage lines (``python -m forwarder.emulator``)."""
+    name = prog or "sefwd emulator"
     p = subparsers.add_parser(
         "emulator", help="run the Azure IMDS emulator (Scheduled Events, instance compute, managed identity)",
-        description="Serve a faithful IMDS on loopback. The default VM is at the root; every VM also at /vm/<name>.",
+        description="Serve a faithful IMDS on loopback. The default VM is at the root; every VM also at\n"
+                    "/vm/<name>. With 'ctl URL ACTION', drive a running emulator instead (see 'ctl --help').",
+        usage=f"{name} [options]\n       {name} ctl URL ACTION [...]",
+        epilog="examples:\n"
+               f"  {name} --scenario host-maintenance-reboot\n"
+               f"  {name} --list-scenarios\n"
+               f"  {name} ctl http://127.0.0.1:8169 schedule --type Reboot --start-after 5m\n\n"
+               "exit codes: 0 ok (also after Ctrl-C or SIGTERM), 1 failure (busy port, emulator not reachable), "
+               "2 usage error",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        **({"prog": prog} if prog else {}),
     )
     p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT",
                    help=f"address to bind (default {DEFAULT_LISTEN}; port 0 picks a free one)")
@@ -33,6 +45,7 @@ def register(subparsers: Any) -> None:
                    help="allow a non-loopback --listen address (the emulator has no authentication)")
     p.add_argument("--scenario", metavar="NAME|FILE", help="built-in scenario name or scenario TOML file")
     p.add_argument("--list-scenarios", action="store_true", help="print the built-in scenarios and exit")
+    p.add_argument("--json", action="store_true", help="with --list-scenarios: one JSON object per scenario")
     p.add_argument("--vm", action="append", dest="vms", metavar="NAME",
                    help="an emulated VM (repeatable; the first is the default VM at the root prefix)")
     p.add_argument("--rate-limit", type=float, default=5, metavar="N",
@@ -46,8 +59,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--etag", action="store_true", help="send ETag and answer If-None-Match with 304")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit 0 once the scenario's last step ran and its events are gone")
-    csub = p.add_subparsers(dest="emulator_command", metavar="ctl")
-    c = csub.add_parser("ctl", help="control a running emulator through its /_emulator/ API")
+    csub = p.add_subparsers(dest="emulator_command", title="control a running emulator (optional)",
+                            metavar="ctl URL ACTION")
+    c = csub.add_parser("ctl", help="control a running emulator through its /_emulator/ API", prog=f"{name} ctl",
+                        description="Drive a running emulator through its /_emulator/ API; prints the answer as JSON.",
+                        epilog=f"examples:\n  {name} ctl http://127.0.0.1:8169 state\n"
+                               f"  {name} ctl http://127.0.0.1:8169 fault status --status 500 --count 3",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("url", help="base URL of the emulator, e.g. http://127.0.0.1:8169")
     actions = c.add_subparsers(dest="ctl_action", metavar="ACTION")
     actions.required = True
@@ -130,7 +148,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.list_scenarios:
         for name in builtin_scenarios():
-            print(f"{name:26} {load_scenario(name).description}")
+            if getattr(args, "json", False):
+                print(orjson.dumps({"name": name, "description": load_scenario(name).description}).decode())
+            else:
+                print(f"{name:26} {load_scenario(name).description}")
         return 0
     try:
         host, port = parse_listen(args.listen, bare_port_host="127.0.0.1")
@@ -175,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
                 stop.wait(0.2)
         finally:
             emulator.stop()
+        if stop.is_set():  # Ctrl-C or SIGTERM: the usual way to stop a server, so exit 0
+            print("IMDS emulator stopped", file=sys.stderr, flush=True)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

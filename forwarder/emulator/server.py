@@ -520,7 +520,7 @@ class Emulator:
         self.port = self._server.port
         self._server.start("imds-emulator", poll_interval=0.1)
         self.platform.timeline.start()
-        log.info("IMDS emulator listening on %s (default VM %s)", self.url, self.platform.default_vm)
+        log.debug("IMDS emulator listening on %s (default VM %s)", self.url, self.platform.default_vm)  # `sefwd emulator` prints it
         if self.scenario is not None:
             self.platform.run_scenario(self.scenario)
         return self

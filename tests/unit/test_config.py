@@ -14,7 +14,6 @@ from forwarder import sinkapi
 from forwarder.approval.config import APPROVAL_KEYS, CALLBACK_KEYS, RULE_KEYS
 from forwarder.approval.settings import CHANGE_KINDS, ApprovalConfig
 from forwarder.config import (
-    EXAMPLE_CONFIG,
     SECTIONS,
     SUPPORTED_API_VERSIONS,
     Config,
@@ -27,6 +26,9 @@ from forwarder.config import (
 )
 from forwarder.errors import ConfigError
 from forwarder.imds import ImdsClient
+from forwarder.config_example import shipped as _shipped_example
+
+EXAMPLE_CONFIG = _shipped_example()  # forwarder/example-config.toml, what `sefwd config example` prints
 
 HAVE_STDOUT_SINK = importlib.util.find_spec("sinks.stdout") is not None
 HAVE_FILE_SINK = importlib.util.find_spec("sinks.file") is not None

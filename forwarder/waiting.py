@@ -1,0 +1,65 @@
+"""Say what we wait for, at once and then at a calm interval, until it arrives: never silent."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from types import TracebackType
+
+REPEAT = 30.0  # seconds between two reminders: often enough to show life, rare enough to read
+
+
+class WaitNotice:
+    """Calls ``say(message)`` after ``first`` seconds, then every ``every`` seconds, until ``done()``
+    is true, ``stop`` is set or the notice is closed (a ``with`` block ends).
+
+    ``message`` may be a callable, so a reminder can say how long it has waited.
+    """
+
+    def __init__(self, say: Callable[[str], None], message: str | Callable[[], str], *,
+                 done: Callable[[], bool] = lambda: False, first: float = 0.0, every: float = REPEAT,
+                 stop: threading.Event | None = None) -> None:
+        self._say = say
+        self._message = message
+        self._done = done
+        self._first = first
+        self._every = every
+        self._stop = stop
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="wait-notice", daemon=True)
+
+    def start(self) -> WaitNotice:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _over(self) -> bool:
+        return self._closed.is_set() or (self._stop is not None and self._stop.is_set()) or self._done()
+
+    def _run(self) -> None:
+        delay = self._first
+        # Polled in short steps so a `done()` that turns true (or a stop) ends the notice promptly.
+        while True:
+            waited = 0.0
+            while waited < delay:
+                step = min(0.5, delay - waited)
+                if self._closed.wait(step):
+                    return
+                waited += step
+                if self._over():
+                    return
+            if self._over():
+                return
+            try:
+                self._say(self._message() if callable(self._message) else self._message)
+            except Exception:  # noqa: BLE001 - a notice must never break what it describes
+                return
+            delay = self._every
+
+    def __enter__(self) -> WaitNotice:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,126 @@
+"""Failures a user can cause end as one line on stderr and a documented exit code, never a traceback."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.agent import ROOT, wait_until
+
+EXIT_FAILURE, EXIT_CONFIG, EXIT_INTERRUPTED = 1, 2, 130
+NOBODY = 65534
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEFWD_")}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def sefwd(*args: str, prefix: tuple[str, ...] = (), timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*prefix, sys.executable, "-m", "forwarder", *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=str(ROOT))
+
+
+def one_clear_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("sefwd: "), stderr
+    return lines[0]
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, never listening: connections are refused)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A directory another user can traverse (pytest's tmp_path lives under a 0700 directory)."""
+    path = Path(tempfile.mkdtemp(prefix="sefwd-perm-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("command", [("status",), ("status", "--json"), ("deadletter", "list")])
+def test_unreadable_state_dir_is_one_line_and_exit_1(public_dir, command):
+    state = public_dir / "state"
+    state.mkdir(mode=0o700)
+    (state / "agent.lock").write_bytes(b"")
+    (state / "state.db").write_bytes(b"")
+    config = public_dir / "c.toml"
+    config.write_text(f'[state]\ndir = "{state}"\n')
+    config.chmod(0o644)
+    prefix: tuple[str, ...] = ()
+    if os.geteuid() == 0:
+        # Root reads everything (CI runs as root): run the command as nobody, as a user without access
+        # would. (setpriv, not os.setuid in a preexec_fn: the latter cannot exec a pyenv python under /root.)
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv (util-linux): cannot drop privileges to test EACCES")
+        prefix = (setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+    else:
+        state.chmod(0o000)
+    try:
+        res = sefwd(*command, "--config", str(config), prefix=prefix)
+    finally:
+        state.chmod(0o700)
+    assert res.returncode == EXIT_FAILURE, res.stderr
+    line = one_clear_line(res.stderr)
+    assert "Permission denied" in line and str(state) in line
+    assert res.stdout == ""
+
+
+def test_missing_config_file_is_one_line_and_exit_2(tmp_path):
+    res = sefwd("status", "--config", str(tmp_path / "nope.toml"))
+    assert res.returncode == EXIT_CONFIG
+    assert "Traceback" not in res.stderr and "does not exist" in res.stderr
+
+
+def test_unreachable_imds_once_is_one_line_and_exit_1(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text(f'[imds]\nendpoint = "http://127.0.0.1:{closed_port()}"\nfirst_call_timeout = "2s"\n'
+                      f'[state]\ndir = "{tmp_path / "state"}"\n')
+    res = sefwd("once", "--config", str(config))
+    assert res.returncode == EXIT_FAILURE
+    assert "not reachable" in one_clear_line(res.stderr)
+
+
+def test_ctrl_c_in_approve_against_unreachable_imds_says_what_it_waits_for_then_exits_130(tmp_path):
+    config = tmp_path / "c.toml"
+    config.write_text(f'[imds]\nendpoint = "http://127.0.0.1:{closed_port()}"\n[state]\ndir = "{tmp_path / "state"}"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "forwarder", "approve", "--config", str(config), "some-event-id"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(ROOT))
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        wait_until(lambda: any("waiting for IMDS" in line for line in err), 30, "approve's waiting line")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == EXIT_INTERRUPTED
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(5)
+    stderr = "".join(err)
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert stderr.splitlines()[-1] == "sefwd: interrupted (Ctrl-C)"
+    assert proc.stdout is not None and proc.stdout.read() == ""
