@@ -11,10 +11,10 @@ from typing import Any
 from persistqueue import SQLiteQueue
 
 from benchmarks.common import ROOT, Sizes, goal, result, sample_records, scratch_dir
-from forwarder.dispatcher import Dispatcher
-from forwarder.retry import Backoff
+from forwarder.delivery.dispatcher import Dispatcher
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Record, SinkContext
-from forwarder.store import Store
+from forwarder.store.database import Store
 from sinks.webhook import WebhookSink
 
 sys.path.insert(0, str(ROOT))  # tests.peers is not an installed package

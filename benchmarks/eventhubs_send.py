@@ -31,9 +31,9 @@ from typing import Any
 import orjson
 
 from benchmarks.common import MODES, RESULTS, ROOT, Sizes, goal, machine_info, result, sample_event, scratch_dir
-from forwarder.dispatcher import Dispatcher
-from forwarder.store import Store
-from forwarder.retry import Backoff
+from forwarder.delivery.dispatcher import Dispatcher
+from forwarder.store.database import Store
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Record, SinkContext
 
 sys.path.insert(0, str(ROOT))  # tests.peers is not an installed package

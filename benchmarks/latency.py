@@ -33,7 +33,7 @@ import orjson
 from benchmarks.agents import spawn_agent, stop_agents
 from benchmarks.common import ROOT, Sizes, goal, result, scratch_dir
 from forwarder.emulator import Emulator
-from forwarder.signing import generate_secret
+from forwarder.common.signing import generate_secret
 
 sys.path.insert(0, str(ROOT))  # tests.peers is not an installed package
 from tests.peers.webhook_receiver import ReceivedRequest, WebhookReceiver  # noqa: E402

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import orjson
 
-from forwarder.logutil import redact
+from forwarder.common.logs import redact
 
 ENTRY_POINT_GROUP = "scheduled_events_forwarder.sinks"
 

@@ -33,9 +33,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 from urllib.parse import quote
 
-from forwarder.retry import is_retryable_status, parse_retry_after
+from forwarder.common.retry import is_retryable_status, parse_retry_after
 from forwarder.sinkapi import Record, Result, Retry, SinkContext
-from forwarder.units import parse_duration
+from forwarder.common.values import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import (
     DETAIL_CHARS, Answer, ItemLedger, ServiceClient, check_credential_options, check_https_endpoint, identity_extra_problems, read_secret_text,

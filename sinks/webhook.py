@@ -42,11 +42,11 @@ import requests
 
 from forwarder import __version__
 from forwarder.errors import ConfigError
-from forwarder.logutil import redact
-from forwarder.retry import is_retryable_status, parse_retry_after
-from forwarder.signing import load_secret, sign_headers
+from forwarder.common.logs import redact
+from forwarder.common.retry import is_retryable_status, parse_retry_after
+from forwarder.common.signing import load_secret, sign_headers
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
-from forwarder.units import parse_duration
+from forwarder.common.values import parse_duration
 from sinks import check_bool, check_int_range, check_positive_duration, check_readable_file, unknown_options
 
 log = logging.getLogger(__name__)

@@ -26,11 +26,11 @@ from pathlib import Path
 from typing import Any, Self, cast
 from urllib.parse import urlsplit
 
-from forwarder.approval.replay import ReplayCache
+from forwarder.approval.seen_ids import ReplayCache
 from forwarder.approval.settings import CallbackSettings
 from forwarder.errors import ConfigError, ForwarderError, StateError
-from forwarder.logutil import RateLimitedLog
-from forwarder.signing import SignatureError, verify
+from forwarder.common.logs import RateLimitedLog
+from forwarder.common.signing import SignatureError, verify
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from forwarder.errors import ConfigError, ForwarderError
-from forwarder.units import parse_duration
+from forwarder.common.values import parse_duration
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         return _ctl(args)
     from forwarder.emulator.scenario import builtin_scenarios, load_scenario
     from forwarder.emulator.server import Emulator
-    from forwarder.loopback import is_loopback
+    from forwarder.common.loopback import is_loopback
 
     if args.list_scenarios:
         for name in builtin_scenarios():

@@ -7,10 +7,10 @@ import time
 import orjson
 import pytest
 
-from forwarder.dispatcher import Dispatcher
-from forwarder.retry import Backoff
+from forwarder.delivery.dispatcher import Dispatcher
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Record, Reject, Retry
-from forwarder.store import Store
+from forwarder.store.database import Store
 
 
 def recs(n, start=0):

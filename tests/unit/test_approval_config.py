@@ -13,8 +13,8 @@ import trustme
 from forwarder.approval.config import parse_approval, parse_listen
 from forwarder.approval.policy import SEED_SAMPLE_RULES
 from forwarder.approval.settings import ApprovalConfig, CallbackSettings, Rule
-from forwarder.config import EXAMPLE_CONFIG
-from forwarder.signing import generate_secret, parse_secret
+from forwarder.agent.config import EXAMPLE_CONFIG
+from forwarder.common.signing import generate_secret, parse_secret
 from tests.conftest import FIXTURES
 
 SEED_SAMPLE_TOML = (FIXTURES / "seed-sample-policy.toml").read_text()

@@ -13,7 +13,7 @@ import pytest
 from forwarder import sinkapi
 from forwarder.approval.config import APPROVAL_KEYS, CALLBACK_KEYS, RULE_KEYS
 from forwarder.approval.settings import CHANGE_KINDS, ApprovalConfig
-from forwarder.config import (
+from forwarder.agent.config import (
     EXAMPLE_CONFIG,
     SECTIONS,
     SUPPORTED_API_VERSIONS,

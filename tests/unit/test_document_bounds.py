@@ -6,10 +6,10 @@ from datetime import datetime, timezone
 import orjson
 import pytest
 
-from forwarder.differ import diff
-from forwarder.document import EXTRA_DEPTH_MAX, EXTRA_FIELD_MAX, TRUNCATED, parse_document
+from forwarder.imds.differ import diff
+from forwarder.imds.document import EXTRA_DEPTH_MAX, EXTRA_FIELD_MAX, TRUNCATED, parse_document
 from forwarder.errors import DocumentError
-from forwarder.identity import VmIdentity
+from forwarder.imds.identity import VmIdentity
 from forwarder.records import RecordFactory
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)

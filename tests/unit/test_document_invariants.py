@@ -15,10 +15,10 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from forwarder.differ import diff
-from forwarder.document import Document, parse_document
+from forwarder.imds.differ import diff
+from forwarder.imds.document import Document, parse_document
 from forwarder.errors import DocumentError
-from forwarder.identity import VmIdentity
+from forwarder.imds.identity import VmIdentity
 from forwarder.records import RecordFactory
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)

@@ -9,7 +9,7 @@ from email.utils import format_datetime
 
 import pytest
 
-from forwarder.retry import RETRYABLE_STATUS, Backoff, is_retryable_status, parse_retry_after
+from forwarder.common.retry import RETRYABLE_STATUS, Backoff, is_retryable_status, parse_retry_after
 
 NOW = datetime(2026, 11, 3, 12, 0, 0, tzinfo=timezone.utc)
 

@@ -32,14 +32,14 @@ import orjson
 
 from forwarder import __version__
 from forwarder.errors import ConfigError, ImdsError
-from forwarder.loopback import is_loopback
+from forwarder.common.loopback import is_loopback
 from forwarder.sinkapi import Ok, Record, Reject, Result, Sink
 
 if TYPE_CHECKING:
-    from forwarder.config import TelemetryConfig
-    from forwarder.delivery import Outbox
-    from forwarder.store import SavedState
-    from forwarder.imds import Fetch, ImdsClient
+    from forwarder.agent.config import TelemetryConfig
+    from forwarder.store.outbox import Outbox
+    from forwarder.store.database import SavedState
+    from forwarder.imds.client import Fetch, ImdsClient
 
 log = logging.getLogger(__name__)
 

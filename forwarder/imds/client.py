@@ -33,12 +33,12 @@ import httptools
 
 from forwarder import __version__
 from forwarder.errors import ConfigError, ImdsError
-from forwarder.retry import Backoff, is_retryable_status, parse_retry_after
+from forwarder.common.retry import Backoff, is_retryable_status, parse_retry_after
 
 if TYPE_CHECKING:
     import ssl
 
-    from forwarder.config import ImdsConfig
+    from forwarder.agent.config import ImdsConfig
 
 __all__ = [
     "Fetch", "ImdsClient", "RequestBudget", "MAX_BODY", "RETRY_AFTER_CAP", "REQUEST_BUDGET",

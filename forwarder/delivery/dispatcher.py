@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from forwarder.logutil import RateLimitedLog
+from forwarder.common.logs import RateLimitedLog
 from forwarder.records import rfc3339, utcnow
-from forwarder.retry import Backoff
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Record, Reject, Retry, Sink
-from forwarder.store import Entry, SavedState, Store
+from forwarder.store.database import Entry, SavedState, Store
 
 log = logging.getLogger(__name__)
 

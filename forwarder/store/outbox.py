@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from forwarder.sinkapi import Record
-from forwarder.store import SavedState
+from forwarder.store.database import SavedState
 
 
 class Outbox(Protocol):

@@ -17,7 +17,7 @@ from forwarder import __version__
 from forwarder.errors import ConfigError, ForwarderError
 
 if TYPE_CHECKING:
-    from forwarder.store import SavedState
+    from forwarder.store.database import SavedState
 
 log = logging.getLogger("forwarder")
 
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(args: argparse.Namespace, config_level: str | None = None) -> None:
-    from forwarder.logutil import setup_logging
+    from forwarder.common.logs import setup_logging
 
     setup_logging(args.log_level or config_level or "info")
 
@@ -117,8 +117,8 @@ def _install_signals(stop: threading.Event) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from forwarder.config import load_config
-    from forwarder.service import Agent
+    from forwarder.agent.config import load_config
+    from forwarder.agent.service import Agent
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
@@ -128,13 +128,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_once(args: argparse.Namespace) -> int:
-    from forwarder.config import load_config
-    from forwarder.differ import diff
-    from forwarder.document import parse_document
+    from forwarder.agent.config import load_config
+    from forwarder.imds.differ import diff
+    from forwarder.imds.document import parse_document
     from forwarder.errors import DocumentError, ImdsError
-    from forwarder.imds import ImdsClient
+    from forwarder.imds.client import ImdsClient
     from forwarder.records import RecordFactory, utcnow
-    from forwarder.service import resolve_identity
+    from forwarder.agent.service import resolve_identity
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
@@ -156,7 +156,7 @@ def cmd_once(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - a broken compute answer must not hide the events
         print(f"sefwd: instance metadata unusable ({type(exc).__name__}: {exc}); using a fallback identity",
               file=sys.stderr)
-        from forwarder.identity import VmIdentity
+        from forwarder.imds.identity import VmIdentity
 
         vm = VmIdentity.fallback()
     try:
@@ -194,9 +194,9 @@ def _print_records(records: Sequence[object], pretty: bool) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from forwarder.config import SinkConfig, load_config
+    from forwarder.agent.config import SinkConfig, load_config
     from forwarder.emulator import Emulator, load_scenario
-    from forwarder.service import Agent
+    from forwarder.agent.service import Agent
 
     config = load_config(args.config) if args.config else load_config(None, env={}, system_path=None)
     _setup_logging(args, "warning" if not args.log_level else None)
@@ -242,10 +242,10 @@ def cmd_approve(args: argparse.Namespace) -> int:
     import orjson
 
     from forwarder.approval.approver import APPROVED, Approver
-    from forwarder.config import load_config
-    from forwarder.imds import ImdsClient
-    from forwarder.service import resolve_identity
-    from forwarder.store import Store
+    from forwarder.agent.config import load_config
+    from forwarder.imds.client import ImdsClient
+    from forwarder.agent.service import resolve_identity
+    from forwarder.store.database import Store
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
@@ -283,7 +283,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
 def _saved_state(state_dir: Path) -> SavedState:
     """The agent's saved state (its VM identity) for a one-shot command; empty when unreadable."""
-    from forwarder.store import DB_FILE, SavedState, Store
+    from forwarder.store.database import DB_FILE, SavedState, Store
 
     if not (state_dir / DB_FILE).is_file():
         return SavedState()
@@ -300,8 +300,8 @@ def _saved_state(state_dir: Path) -> SavedState:
 def cmd_status(args: argparse.Namespace) -> int:
     import orjson
 
-    from forwarder.config import load_config
-    from forwarder.status import format_status, health, read_status
+    from forwarder.agent.config import load_config
+    from forwarder.agent.status import format_status, health, read_status
 
     config = load_config(args.config)
     status = read_status(config.state.dir)
@@ -316,8 +316,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_deadletter(args: argparse.Namespace) -> int:
-    from forwarder.config import load_config
-    from forwarder.store import DB_FILE, Store
+    from forwarder.agent.config import load_config
+    from forwarder.store.database import DB_FILE, Store
 
     config = load_config(args.config)
     if args.deadletter_command == "list":
@@ -345,13 +345,13 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
                 print(f"{dl.sink}\t{dl.time}\t{dl.reason}\t{e.get('type')}\t{e.get('id')}\t{e.get('subject', '')}\t{dl.detail[:80]}")
         print(f"{len(letters)} dead letter(s)", file=sys.stderr)
         return EXIT_OK
-    from forwarder.replay import replay
+    from forwarder.delivery.resend import replay
 
     return replay(config, args.sink, timeout=args.timeout)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from forwarder.config import EXAMPLE_CONFIG, describe, load_config
+    from forwarder.agent.config import EXAMPLE_CONFIG, describe, load_config
 
     if args.config_command == "example":
         sys.stdout.write(EXAMPLE_CONFIG)

@@ -7,11 +7,11 @@ import sys
 import threading
 import time
 
-from forwarder.config import Config
+from forwarder.agent.config import Config
 from forwarder.errors import ForwarderError
-from forwarder.retry import Backoff
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Reject, Retry, SinkContext, load_sink_factory
-from forwarder.store import Store
+from forwarder.store.database import Store
 
 
 def _progress(done: int, total: int, start: float) -> None:

@@ -7,20 +7,20 @@ import threading
 from typing import Any
 
 from forwarder import __version__
-from forwarder.config import Config
-from forwarder.dispatcher import Dispatcher
+from forwarder.agent.config import Config
+from forwarder.delivery.dispatcher import Dispatcher
 from forwarder.errors import ConfigError, ImdsError, StateError
-from forwarder.extension_heartbeat import HeartbeatFile
-from forwarder.identity import VmIdentity
-from forwarder.imds import ImdsClient
-from forwarder.poller import Poller
+from forwarder.agent.extension_heartbeat import HeartbeatFile
+from forwarder.imds.identity import VmIdentity
+from forwarder.imds.client import ImdsClient
+from forwarder.agent.poller import Poller
 from forwarder.records import RecordFactory, rfc3339
-from forwarder.retry import Backoff
-from forwarder.recovery import Loss, lock_state_dir, open_agent_store
+from forwarder.common.retry import Backoff
+from forwarder.store.recovery import Loss, lock_state_dir, open_agent_store
 from forwarder.sinkapi import Sink, SinkContext, load_sink_factory
-from forwarder.status import StatusReporter
-from forwarder.store import DB_FILE, SavedState, Store
-from forwarder.telemetry import NO_TELEMETRY, NullTelemetry, create_telemetry
+from forwarder.agent.status import StatusReporter
+from forwarder.store.database import DB_FILE, SavedState, Store
+from forwarder.agent.telemetry import NO_TELEMETRY, NullTelemetry, create_telemetry
 
 log = logging.getLogger(__name__)
 
