@@ -182,7 +182,7 @@ def cmd_once(args: argparse.Namespace) -> int:
 
 
 def _print_records(records: Sequence[object], pretty: bool) -> None:
-    from sinks.stdout import render_pretty
+    from forwarder.common.terminal import render_pretty
 
     out = sys.stdout.buffer
     for r in records:
