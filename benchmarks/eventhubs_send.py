@@ -84,14 +84,14 @@ def _deliver(impl: str, transport: str, shape: str, count: int, peer: EventHubsP
     dispatcher.start()
     try:
         warm = _records(1, tag + "-warm")  # connect, TLS, CBS: not part of the burst
-        dispatcher.commit(warm)
+        dispatcher.store.commit(warm)
         _wait(worker, 1)
         records = _records(count, tag)
         before_events = peer.stats()["events"]
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if shape == "burst":
             for i in range(0, count, 10):
-                dispatcher.commit(records[i : i + 10])
+                dispatcher.store.commit(records[i : i + 10])
         elif shape == "single_sink":
             for record in records:
                 if sink.send([record]) == Ok():
@@ -99,7 +99,7 @@ def _deliver(impl: str, transport: str, shape: str, count: int, peer: EventHubsP
                 time.sleep(SINGLE_GAP_S)
         else:
             for record in records:
-                dispatcher.commit([record])
+                dispatcher.store.commit([record])
                 time.sleep(SINGLE_GAP_S)  # pacing the load generator, not synchronizing
         _wait(worker, 1 + count)
         cpu = time.process_time() - cpu0

@@ -168,7 +168,7 @@ class EventGridSink:
 
     def _failed(self, records: Sequence[Record], answer: Answer) -> Retry | None:
         status, message = answer.status, answer.message()
-        if is_retryable_status(status) and status != 410:  # 410 here: the namespace topic does not exist
+        if is_retryable_status(status):  # not 410: the namespace topic does not exist
             delay = parse_retry_after(answer.headers.get("Retry-After"))
             self._errors.log(logging.WARNING, "request", "sink %r: %s answered %d%s: %s", self.name, self.url, status,
                              f", retry after {delay:g}s" if delay is not None else "", message)

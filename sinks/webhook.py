@@ -356,9 +356,8 @@ class WebhookSink:
         if 200 <= status < 300:
             return Ok()
         reason = f"http_{status}"
-        # The shared policy retries 410 for IMDS ("retry for up to 70 s"); from a webhook receiver
-        # 410 Gone means the endpoint was removed, and retrying it would stall the sink forever.
-        if status != 410 and is_retryable_status(status):
+        # 410 Gone (the endpoint was removed) is final here: the shared policy does not retry it.
+        if is_retryable_status(status):
             delay = parse_retry_after(response.headers.get("Retry-After"))
             log.warning("sink %r: %s answered %d%s", self.name, self._safe_url, status,
                         f", retry after {delay:g}s" if delay is not None else "")

@@ -116,7 +116,7 @@ class _TokenBuckets:
             del self._buckets[client]
 
 
-class _Conn:
+class _WatchedConnection:
     """One accepted connection as the watchdog sees it."""
 
     __slots__ = ("deadline", "reading", "sock", "timed_out")
@@ -146,25 +146,25 @@ class _Watchdog:
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self._conns: set[_Conn] = set()
+        self._conns: set[_WatchedConnection] = set()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="approval-callback-watchdog", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def register(self, sock: socket.socket, timeout: float) -> _Conn:
-        conn = _Conn(sock, time.monotonic() + timeout)
+    def register(self, sock: socket.socket, timeout: float) -> _WatchedConnection:
+        conn = _WatchedConnection(sock, time.monotonic() + timeout)
         with self.cond:
             self._conns.add(conn)
             self.cond.notify()
         return conn
 
-    def done_reading(self, conn: _Conn) -> None:
+    def done_reading(self, conn: _WatchedConnection) -> None:
         with self.cond:
             conn.reading = False
 
-    def unregister(self, conn: _Conn) -> None:
+    def unregister(self, conn: _WatchedConnection) -> None:
         with self.cond:
             self._conns.discard(conn)
 
@@ -338,7 +338,7 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = "sefwd-callback"
     sys_version = ""
 
-    def __init__(self, request: Any, client_address: Any, server: _HTTPServer, conn: _Conn) -> None:
+    def __init__(self, request: Any, client_address: Any, server: _HTTPServer, conn: _WatchedConnection) -> None:
         self.conn = conn
         self.owner = server.owner
         self.client = _client_text(client_address)
@@ -673,7 +673,7 @@ class CallbackServer:
             with self._threads_lock:
                 self._threads.discard(threading.current_thread())
 
-    def _handshake_failed(self, conn: _Conn, address: Any, exc: BaseException) -> None:
+    def _handshake_failed(self, conn: _WatchedConnection, address: Any, exc: BaseException) -> None:
         client = _client_text(address)
         if conn.timed_out or isinstance(exc, TimeoutError):
             refusal = _Refusal(408, "client_timeout", "TLS handshake not completed in time")

@@ -410,7 +410,7 @@ def _deliver_with_dispatcher(tmp_path: Path, sink: Any, records: list[Record]) -
                             backoff=Backoff(initial=0.05, maximum=0.5))
     dispatcher.start()
     for i in range(0, len(records), 5):  # the agent commits a change's records together
-        dispatcher.commit(records[i : i + 5])
+        dispatcher.store.commit(records[i : i + 5])
     return dispatcher
 
 
