@@ -10,10 +10,10 @@ from typing import Any
 from persistqueue import SQLiteQueue
 
 from benchmarks.common import Sizes, goal, result, sample_records, scratch_dir
-from forwarder.dispatcher import Dispatcher
-from forwarder.retry import Backoff
+from forwarder.delivery.dispatcher import Dispatcher
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Record, SinkContext
-from forwarder.store import Store
+from forwarder.store.database import Store
 from sinks.webhook import WebhookSink
 
 from benchmarks.peers.webhook_receiver import WebhookReceiver

@@ -44,7 +44,7 @@ from azure.eventhub.exceptions import (
 )
 
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
-from forwarder.units import parse_duration
+from forwarder.common.values import parse_duration
 from sinks import check_int_range, check_positive_duration, unknown_options
 from sinks.azure_common import (
     check_credential_options,

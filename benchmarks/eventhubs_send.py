@@ -31,9 +31,9 @@ from typing import Any
 import orjson
 
 from benchmarks.common import MODES, Sizes, goal, machine_info, result, results_file, sample_event, scratch_dir
-from forwarder.dispatcher import Dispatcher
-from forwarder.store import Store
-from forwarder.retry import Backoff
+from forwarder.delivery.dispatcher import Dispatcher
+from forwarder.store.database import Store
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Record, SinkContext
 
 from benchmarks.peers.eventhubs_peer import EventHubsPeer
@@ -83,14 +83,14 @@ def _deliver(impl: str, transport: str, shape: str, count: int, peer: EventHubsP
     dispatcher.start()
     try:
         warm = _records(1, tag + "-warm")  # connect, TLS, CBS: not part of the burst
-        dispatcher.commit(warm)
+        dispatcher.store.commit(warm)
         _wait(worker, 1)
         records = _records(count, tag)
         before_events = peer.stats()["events"]
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if shape == "burst":
             for i in range(0, count, 10):
-                dispatcher.commit(records[i : i + 10])
+                dispatcher.store.commit(records[i : i + 10])
         elif shape == "single_sink":
             for record in records:
                 if sink.send([record]) == Ok():
@@ -98,7 +98,7 @@ def _deliver(impl: str, transport: str, shape: str, count: int, peer: EventHubsP
                 time.sleep(SINGLE_GAP_S)
         else:
             for record in records:
-                dispatcher.commit([record])
+                dispatcher.store.commit([record])
                 time.sleep(SINGLE_GAP_S)  # pacing the load generator, not synchronizing
         _wait(worker, 1 + count)
         cpu = time.process_time() - cpu0

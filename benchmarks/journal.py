@@ -14,7 +14,7 @@ from persistqueue import SQLiteAckQueue, SQLiteQueue
 
 from benchmarks.common import Sizes, goal, result, sample_records, scratch_dir
 from forwarder.sinkapi import Record
-from forwarder.store import Store
+from forwarder.store.database import Store
 
 BATCH = 64
 READ_BATCH = 500

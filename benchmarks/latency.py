@@ -32,7 +32,7 @@ import orjson
 from benchmarks.agents import spawn_agent, stop_agents
 from benchmarks.common import Sizes, goal, result, scratch_dir
 from forwarder.emulator import Emulator
-from forwarder.signing import generate_secret
+from forwarder.common.signing import generate_secret
 
 from benchmarks.peers.webhook_receiver import ReceivedRequest, WebhookReceiver
 

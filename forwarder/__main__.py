@@ -2,6 +2,6 @@ from __future__ import annotations
 
 import sys
 
-from forwarder.cli import main
+from forwarder.agent.cli import main
 
 sys.exit(main())

@@ -37,5 +37,9 @@ class ImdsError(ForwarderError):
         self.retry_after = retry_after
 
 
+class ImdsTimeout(ImdsError):
+    """IMDS did not answer in time: the connect or the whole answer ran past its deadline."""
+
+
 class StateError(ForwarderError):
     """The persisted state could not be read or written."""

@@ -8,10 +8,10 @@ from datetime import datetime, timezone
 from typing import Any
 
 from forwarder import __version__
-from forwarder.differ import TERMINAL_KINDS, UPDATED, Change
-from forwarder.document import Document, Event
-from forwarder.identity import VmIdentity
-from forwarder.outcome import TERMINAL_KEY_SUFFIX, terminal_key
+from forwarder.imds.differ import TERMINAL_KINDS, UPDATED, Change
+from forwarder.imds.document import Document, Event
+from forwarder.imds.identity import VmIdentity
+from forwarder.imds.outcome import TERMINAL_KEY_SUFFIX, terminal_key
 from forwarder.sinkapi import Record
 
 SPEC_VERSION = "1.0"

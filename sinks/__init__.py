@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, Sink, SinkContext
-from forwarder.units import duration, integer
+from forwarder.common.values import duration, integer
 
 __all__ = [
     "Ok", "Record", "Reject", "Result", "Retry", "Sink", "SinkContext",
@@ -21,7 +21,7 @@ __all__ = [
     "unknown_options",
 ]
 
-# A sink call that takes longer than this is stuck, not slow (forwarder.units refuses nan and inf).
+# A sink call that takes longer than this is stuck, not slow (forwarder.common.values refuses nan and inf).
 MAX_SINK_TIMEOUT = 600.0
 
 # Local-I/O failures are retried, never dead-lettered: a full disk or a permission fixed by the

@@ -31,10 +31,10 @@ from urllib.parse import urljoin, urlsplit
 import orjson
 from forwarder import __version__
 from forwarder.records import rfc3339, utcnow
-from forwarder.retry import parse_retry_after
+from forwarder.common.retry import parse_retry_after
 from forwarder.sinkapi import Record, Result, Retry, SinkContext
-from forwarder.connection_strings import appinsights_problems
-from forwarder.units import parse_duration
+from forwarder.common.connection_strings import appinsights_problems
+from forwarder.common.values import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import (
     DETAIL_CHARS, Answer, ItemLedger, ServiceClient, check_credential_options, identity_extra_problems, read_secret_text,

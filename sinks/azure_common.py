@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from forwarder.logutil import RateLimitedLog
+from forwarder.common.logs import RateLimitedLog
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry
 
 CREDENTIAL_KINDS = ("managed_identity",)

@@ -33,9 +33,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 from urllib.parse import quote
 
-from forwarder.retry import is_retryable_status, parse_retry_after
+from forwarder.common.retry import is_retryable_status, parse_retry_after
 from forwarder.sinkapi import Record, Result, Retry, SinkContext
-from forwarder.units import parse_duration
+from forwarder.common.values import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import (
     DETAIL_CHARS, Answer, ItemLedger, ServiceClient, check_credential_options, check_https_endpoint, identity_extra_problems, read_secret_text,
@@ -168,7 +168,7 @@ class EventGridSink:
 
     def _failed(self, records: Sequence[Record], answer: Answer) -> Retry | None:
         status, message = answer.status, answer.message()
-        if is_retryable_status(status) and status != 410:  # 410 here: the namespace topic does not exist
+        if is_retryable_status(status):  # not 410: the namespace topic does not exist
             delay = parse_retry_after(answer.headers.get("Retry-After"))
             self._errors.log(logging.WARNING, "request", "sink %r: %s answered %d%s: %s", self.name, self.url, status,
                              f", retry after {delay:g}s" if delay is not None else "", message)

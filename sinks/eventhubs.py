@@ -49,8 +49,8 @@ from azure.eventhub.exceptions import (
 )
 
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
-from forwarder.connection_strings import eventhubs_problems
-from forwarder.units import parse_duration
+from forwarder.common.connection_strings import eventhubs_problems
+from forwarder.common.values import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import (
     check_credential_options,

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from forwarder.sinkapi import Ok, Record, Reject, Result, SinkContext
-from forwarder.units import parse_size
+from forwarder.common.values import parse_size
 from sinks import check_bool, retry_for_os_error, unknown_options
 
 log = logging.getLogger(__name__)

@@ -37,10 +37,10 @@ from azure.core.exceptions import (
 )
 from azure.monitor.ingestion import LogsIngestionClient, LogsUploadError
 
-from forwarder.logutil import RateLimitedLog
-from forwarder.retry import parse_retry_after
+from forwarder.common.logs import RateLimitedLog
+from forwarder.common.retry import parse_retry_after
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
-from forwarder.units import parse_duration
+from forwarder.common.values import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import check_credential_options, check_https_endpoint, managed_identity_credential
 from sinks.la_schema import STREAM, to_row

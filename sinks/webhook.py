@@ -44,11 +44,11 @@ import requests
 
 from forwarder import __version__
 from forwarder.errors import ConfigError
-from forwarder.logutil import RateLimitedLog, redact, short_reason
-from forwarder.retry import is_retryable_status, parse_retry_after
-from forwarder.signing import load_secret, sign_headers
+from forwarder.common.logs import RateLimitedLog, redact, short_reason
+from forwarder.common.retry import is_retryable_status, parse_retry_after
+from forwarder.common.signing import load_secret, sign_headers
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
-from forwarder.units import parse_duration
+from forwarder.common.values import parse_duration
 from sinks import check_bool, check_int_range, check_positive_duration, check_readable_file, unknown_options
 
 log = logging.getLogger(__name__)
@@ -375,9 +375,8 @@ class WebhookSink:
         if 200 <= status < 300:
             return Ok()
         reason = f"http_{status}"
-        # The shared policy retries 410 for IMDS ("retry for up to 70 s"); from a webhook receiver
-        # 410 Gone means the endpoint was removed, and retrying it would stall the sink forever.
-        if status != 410 and is_retryable_status(status):
+        # 410 Gone (the endpoint was removed) is final here: the shared policy does not retry it.
+        if is_retryable_status(status):
             delay = parse_retry_after(response.headers.get("Retry-After"))
             log.warning("sink %r: %s answered %d%s", self.name, self._safe_url, status,
                         f", retry after {delay:g}s" if delay is not None else "")

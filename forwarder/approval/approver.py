@@ -15,13 +15,13 @@ from typing import Any
 
 from forwarder.approval.settings import ApprovalConfig
 from forwarder.approval.scope import scope_refusal
-from forwarder.differ import Change
-from forwarder.document import Document, parse_document
+from forwarder.imds.differ import Change
+from forwarder.imds.document import Document, parse_document
 from forwarder.errors import DocumentError, ForwarderError, ImdsError
-from forwarder.identity import VmIdentity
-from forwarder.imds import ImdsClient
+from forwarder.imds.identity import VmIdentity
+from forwarder.imds.client import ImdsClient
 from forwarder.sinkapi import Record
-from forwarder.store import Store
+from forwarder.store.database import Store
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any, Self, cast
 from urllib.parse import urlsplit
 
-from forwarder.approval.replay import ReplayCache
+from forwarder.approval.seen_ids import ReplayCache
 from forwarder.approval.settings import CallbackSettings
 from forwarder.errors import ConfigError, ForwarderError, StateError
-from forwarder.http_server import HttpServer, QuietHandler, host_port_text, tls_server_context
-from forwarder.logutil import RateLimitedLog
-from forwarder.signing import SignatureError, verify
+from forwarder.common.http_server import HttpServer, QuietHandler, host_port_text, tls_server_context
+from forwarder.common.logs import RateLimitedLog
+from forwarder.common.signing import SignatureError, verify
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class _TokenBuckets:
             del self._buckets[client]
 
 
-class _Conn:
+class _WatchedConnection:
     """One accepted connection as the watchdog sees it."""
 
     __slots__ = ("deadline", "reading", "sock", "timed_out")
@@ -145,25 +145,25 @@ class _Watchdog:
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self._conns: set[_Conn] = set()
+        self._conns: set[_WatchedConnection] = set()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="approval-callback-watchdog", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def register(self, sock: socket.socket, timeout: float) -> _Conn:
-        conn = _Conn(sock, time.monotonic() + timeout)
+    def register(self, sock: socket.socket, timeout: float) -> _WatchedConnection:
+        conn = _WatchedConnection(sock, time.monotonic() + timeout)
         with self.cond:
             self._conns.add(conn)
             self.cond.notify()
         return conn
 
-    def done_reading(self, conn: _Conn) -> None:
+    def done_reading(self, conn: _WatchedConnection) -> None:
         with self.cond:
             conn.reading = False
 
-    def unregister(self, conn: _Conn) -> None:
+    def unregister(self, conn: _WatchedConnection) -> None:
         with self.cond:
             self._conns.discard(conn)
 
@@ -326,7 +326,7 @@ class _Handler(QuietHandler):
     logger = log
     log_label = "approval callback"
 
-    def __init__(self, request: Any, client_address: Any, server: _HTTPServer, conn: _Conn) -> None:
+    def __init__(self, request: Any, client_address: Any, server: _HTTPServer, conn: _WatchedConnection) -> None:
         self.conn = conn
         self.owner = server.owner
         self.client = _client_text(client_address)
@@ -649,7 +649,7 @@ class CallbackServer:
             with self._threads_lock:
                 self._threads.discard(threading.current_thread())
 
-    def _handshake_failed(self, conn: _Conn, address: Any, exc: BaseException) -> None:
+    def _handshake_failed(self, conn: _WatchedConnection, address: Any, exc: BaseException) -> None:
         client = _client_text(address)
         if conn.timed_out or isinstance(exc, TimeoutError):
             refusal = _Refusal(408, "client_timeout", "TLS handshake not completed in time")

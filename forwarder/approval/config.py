@@ -1,6 +1,6 @@
 """Parse and validate the ``[approval]`` config table into an ApprovalConfig.
 
-Every problem is returned (not raised) so forwarder.config can report them together with the
+Every problem is returned (not raised) so forwarder.agent.config can report them together with the
 rest of the file's; each message names the key (``approval.rules[2].duration_min: ...``).
 """
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from forwarder.approval.settings import ACTIONS, CHANGE_KINDS, SCOPES, ApprovalConfig, CallbackSettings, Rule
-from forwarder.http_server import parse_listen, tls_server_context
-from forwarder.signing import SignatureError, parse_secret
-from forwarder.units import boolean, choice, duration, integer, parse_labelled, parse_table, size, suggest
+from forwarder.common.http_server import parse_listen, tls_server_context
+from forwarder.common.signing import SignatureError, parse_secret
+from forwarder.common.values import boolean, choice, duration, integer, parse_labelled, parse_table, size, suggest
 
 ENV_PREFIX = "SEFWD_APPROVAL_"
 # The keys of each table, in the order the example config shows them.

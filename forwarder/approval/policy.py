@@ -5,8 +5,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from forwarder.approval.settings import Rule
-from forwarder.document import Event
-from forwarder.identity import VmIdentity
+from forwarder.imds.document import Event
+from forwarder.imds.identity import VmIdentity
 
 APPROVE, HOLD, IGNORE = "approve", "hold", "ignore"
 

@@ -1,8 +1,8 @@
 """Which events this VM may approve: approving starts the event for every VM in Resources."""
 from __future__ import annotations
 
-from forwarder.document import Event
-from forwarder.identity import VmIdentity
+from forwarder.imds.document import Event
+from forwarder.imds.identity import VmIdentity
 
 
 def scope_refusal(event: Event, vm: VmIdentity, scope: str) -> str | None:

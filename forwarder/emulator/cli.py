@@ -14,7 +14,7 @@ import orjson
 
 from forwarder.emulator.faults import FAULT_KINDS, FAULT_PATHS, OUT_OF_RANGE_FIELDS
 from forwarder.errors import ConfigError, ForwarderError
-from forwarder.units import parse_duration, parse_size
+from forwarder.common.values import parse_duration, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +143,8 @@ def run(args: argparse.Namespace) -> int:
         return _ctl(args)
     from forwarder.emulator.scenario import builtin_scenarios, load_scenario
     from forwarder.emulator.server import Emulator
-    from forwarder.http_server import host_port_text, parse_listen
-    from forwarder.loopback import is_loopback
+    from forwarder.common.http_server import host_port_text, parse_listen
+    from forwarder.common.loopback import is_loopback
 
     if args.list_scenarios:
         for name in builtin_scenarios():

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from forwarder.emulator.model import SpecError
-from forwarder.units import parse_duration, parse_size
+from forwarder.common.values import parse_duration, parse_size
 
 # status: an error status (500, 410, 429, 503 ...) with optional Retry-After.
 # slow: answer normally after `delay` seconds.  hang: hold the request for `delay` seconds (or until

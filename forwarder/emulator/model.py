@@ -8,7 +8,7 @@ from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime, parsedate_to_datetime
 from typing import Any
 
-from forwarder.units import parse_duration
+from forwarder.common.values import parse_duration
 
 # Oldest first; the seeds' changelog says which fields each version added.
 SE_VERSIONS: tuple[str, ...] = (

@@ -13,7 +13,7 @@ from forwarder.emulator.model import (
     SPEC_KEYS, UPDATE_KEYS, SpecError, VmProfile, normalize_spec, parse_not_before,
 )
 from forwarder.errors import ConfigError
-from forwarder.units import parse_duration
+from forwarder.common.values import parse_duration
 
 ACTIONS = ("schedule", "approve", "start", "update", "cancel", "complete", "fault", "end")
 TOP_KEYS = frozenset({"name", "description", "vms", "first_call_delay", "terminate_notice", "steps"})

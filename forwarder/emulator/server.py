@@ -22,7 +22,7 @@ from forwarder.emulator.model import (
 )
 from forwarder.emulator.scenario import Scenario, load_scenario
 from forwarder.errors import ConfigError
-from forwarder.http_server import HttpServer, QuietHandler, host_port_text
+from forwarder.common.http_server import HttpServer, QuietHandler, host_port_text
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import requests
 
 from forwarder.approval.callback import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 from forwarder.emulator import Emulator
-from forwarder.signing import generate_secret, parse_secret, sign_headers
+from forwarder.common.signing import generate_secret, parse_secret, sign_headers
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 
 pytestmark = pytest.mark.timeout(180)

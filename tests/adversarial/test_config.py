@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from forwarder.config import parse_config
+from forwarder.agent.config import parse_config
 from forwarder.errors import ConfigError
 from tests.agent import ROOT
 
@@ -143,7 +143,7 @@ def test_our_appinsights_rules_agree_with_the_exporter():
     """The exporter's own parser is the oracle: what it refuses, we refuse (and say why)."""
     from azure.monitor.opentelemetry.exporter._connection_string_parser import ConnectionStringParser
 
-    from forwarder.connection_strings import appinsights_problems
+    from forwarder.common.connection_strings import appinsights_problems
 
     for text in (f"InstrumentationKey={UUID}", "InstrumentationKey=nope", f"InstrumentationKey={UUID.upper()}",
                  f"InstrumentationKey={UUID};", f"InstrumentationKey={UUID};Authorization=aad", "x", "a=b=c"):

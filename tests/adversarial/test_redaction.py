@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from forwarder.emulator import Emulator
-from forwarder.logutil import redact
+from forwarder.common.logs import redact
 from tests.adversarial.hostile import HostileServer, Reply, Request
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
 
@@ -104,7 +104,7 @@ def test_uncaught_exceptions_are_redacted_too():
     """A traceback printed by Python itself (main thread or a worker) goes through the same rule."""
     script = (
         "import threading\n"
-        "from forwarder.logutil import setup_logging\n"
+        "from forwarder.common.logs import setup_logging\n"
         "setup_logging('info')\n"
         "def boom():\n"
         "    raise ConnectionError('Max retries exceeded with url: /hook?code=Secret10')\n"

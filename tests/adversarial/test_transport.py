@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from forwarder.status import read_status
+from forwarder.agent.status import read_status
 from tests.adversarial.hostile import HostileServer, Reply, Request
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 

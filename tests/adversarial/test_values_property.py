@@ -7,8 +7,8 @@ import string
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forwarder.logutil import redact
-from forwarder.units import duration, parse_duration, parse_size, size
+from forwarder.common.logs import redact
+from forwarder.common.values import duration, parse_duration, parse_size, size
 
 ANY_VALUE = st.one_of(
     st.text(), st.floats(allow_nan=True, allow_infinity=True), st.integers(), st.booleans(), st.none(),

@@ -16,9 +16,9 @@ import pytest
 
 from forwarder.approval import hooks
 from forwarder.approval.hooks import HookResult, run_hook
-from forwarder.differ import Change
-from forwarder.document import Document, parse_event
-from forwarder.identity import VmIdentity
+from forwarder.imds.differ import Change
+from forwarder.imds.document import Document, parse_event
+from forwarder.imds.identity import VmIdentity
 from forwarder.records import RecordFactory
 from tests.agent import wait_until
 

@@ -13,7 +13,7 @@ import requests
 from standardwebhooks.webhooks import Webhook
 
 from forwarder.emulator import Emulator
-from forwarder.signing import generate_secret, parse_secret, sign_headers
+from forwarder.common.signing import generate_secret, parse_secret, sign_headers
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 
 SECRET = generate_secret()

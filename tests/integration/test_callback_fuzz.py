@@ -25,7 +25,7 @@ from standardwebhooks.webhooks import Webhook
 
 from forwarder.approval.callback import ApprovalRequest, CallbackServer, Verdict
 from forwarder.approval.settings import CallbackSettings
-from forwarder.signing import generate_secret, parse_secret, sign_headers
+from forwarder.common.signing import generate_secret, parse_secret, sign_headers
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -21,9 +21,9 @@ import trustme
 from standardwebhooks.webhooks import Webhook
 
 from forwarder.approval.callback import MAX_CONNECTIONS_PER_CLIENT, ApprovalRequest, CallbackServer, Verdict
-from forwarder.approval.replay import ReplayCache
+from forwarder.approval.seen_ids import ReplayCache
 from forwarder.approval.settings import CallbackSettings
-from forwarder.signing import generate_secret, parse_secret, sign_headers
+from forwarder.common.signing import generate_secret, parse_secret, sign_headers
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,7 @@ import tomllib
 import orjson
 
 from forwarder.emulator import Emulator
-from forwarder.store import Store
+from forwarder.store.database import Store
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
 from benchmarks.peers.webhook_receiver import WebhookReceiver
 

@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from forwarder.cli import build_parser
+from forwarder.agent.cli import build_parser
 from forwarder.emulator import Emulator
 from tests.agent import ROOT, wait_until, write_config
 

@@ -9,7 +9,7 @@ import orjson
 
 from forwarder.emulator.scenario import builtin_scenarios
 from forwarder.sinkapi import Record
-from forwarder.store import Store
+from forwarder.store.database import Store
 from tests.agent import ROOT
 from tests.peers.webhook_receiver import WebhookReceiver
 

@@ -7,10 +7,10 @@ import time
 import orjson
 import pytest
 
-from forwarder.dispatcher import Dispatcher
-from forwarder.retry import Backoff
+from forwarder.delivery.dispatcher import Dispatcher
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Record, Reject, Retry
-from forwarder.store import Store
+from forwarder.store.database import Store
 
 
 def recs(n, start=0):
@@ -69,7 +69,7 @@ def test_in_order_after_transient_failures(tmp_path):
     sink = ScriptedSink(answer=lambda b, c: Retry("http_503") if c % 3 else Ok())
     d = make(tmp_path, {"s": sink})
     for i in range(0, 50, 5):
-        d.commit(recs(5, i))
+        d.store.commit(recs(5, i))
     assert sink.wait_for(50)
     assert sink.got == list(range(50))
     d.close(5)
@@ -81,7 +81,7 @@ def test_dead_sink_does_not_delay_another(tmp_path):
     stuck = ScriptedSink(gate=gate)
     ok = ScriptedSink()
     d = make(tmp_path, {"stuck": stuck, "ok": ok})
-    d.commit(recs(20))
+    d.store.commit(recs(20))
     assert ok.wait_for(20)
     assert stuck.got == []
     gate.set()
@@ -96,7 +96,7 @@ def test_reject_in_a_batch_dead_letters_only_the_bad_record(tmp_path):
 
     sink = ScriptedSink(answer=answer)
     d = make(tmp_path, {"s": sink})
-    d.commit(recs(15))
+    d.store.commit(recs(15))
     assert sink.wait_for(14)
     d.close(5)
     assert sink.got == [n for n in range(15) if n != 7]
@@ -110,7 +110,7 @@ def test_max_age_moves_old_records_to_dead_letters(tmp_path):
     store.close()
     sink = ScriptedSink()
     d = make(tmp_path, {"s": sink}, max_age={"s": 60})
-    d.commit(recs(2, 3))
+    d.store.commit(recs(2, 3))
     assert sink.wait_for(2)
     d.close(5)
     assert sink.got == [3, 4]
@@ -120,7 +120,7 @@ def test_max_age_moves_old_records_to_dead_letters(tmp_path):
 def test_close_drains_then_halts_a_hanging_sink_and_keeps_its_records(tmp_path):
     hanging = ScriptedSink(answer=lambda b, c: Retry("timeout"))
     d = make(tmp_path, {"h": hanging})
-    d.commit(recs(5))
+    d.store.commit(recs(5))
     t0 = time.monotonic()
     d.close(0.5)
     assert time.monotonic() - t0 < 10
@@ -131,12 +131,12 @@ def test_close_drains_then_halts_a_hanging_sink_and_keeps_its_records(tmp_path):
 def test_cursor_survives_restart_without_redelivery(tmp_path):
     sink = ScriptedSink()
     d = make(tmp_path, {"s": sink})
-    d.commit(recs(10))
+    d.store.commit(recs(10))
     assert sink.wait_for(10)
     d.close(5)
     again = ScriptedSink()
     d = make(tmp_path, {"s": again})
-    d.commit(recs(1, 10))
+    d.store.commit(recs(1, 10))
     assert again.wait_for(1)
     d.close(5)
     assert again.got == [10]
@@ -157,10 +157,10 @@ def test_idle_workers_sleep_until_woken_yet_deliver_and_stop_at_once(tmp_path):
             time.sleep(0.05)
         raise AssertionError(f"cursors not committed at {n} within 10 s")
 
-    d.commit(recs(3))
+    d.store.commit(recs(3))
     assert all(s.wait_for(3, timeout=10) for s in sinks.values())
     flushed(3)
-    d.commit(recs(2, 3))  # the workers are idle now: the append alone must wake them
+    d.store.commit(recs(2, 3))  # the workers are idle now: the append alone must wake them
     assert all(s.wait_for(5, timeout=10) for s in sinks.values())
     flushed(5)
     t0 = time.monotonic()
@@ -184,7 +184,7 @@ def test_a_sink_that_raises_is_retried_and_a_dead_worker_is_restarted(tmp_path):
 
     sink = ScriptedSink(answer=answer)
     d = make(tmp_path, {"s": sink}, supervise_every=0.1)
-    d.commit(recs(5))
+    d.store.commit(recs(5))
     assert sink.wait_for(5)
     assert sink.got == list(range(5))
     figures = d.snapshot()["sinks"]["s"]
@@ -196,7 +196,7 @@ def test_a_sink_failing_for_long_is_reported_stuck_and_recovers(tmp_path):
     state = {"down": True}
     sink = ScriptedSink(answer=lambda b, c: Retry("http_503") if state["down"] else Ok())
     d = make(tmp_path, {"s": sink}, stuck_after=0.3)
-    d.commit(recs(3))
+    d.store.commit(recs(3))
     deadline = time.monotonic() + 20
     while not d.snapshot()["sinks"]["s"]["stuck"] and time.monotonic() < deadline:
         time.sleep(0.05)

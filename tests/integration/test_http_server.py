@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import trustme
 
-from forwarder.http_server import HttpServer, QuietHandler, address_family, tls_server_context
+from forwarder.common.http_server import HttpServer, QuietHandler, address_family, tls_server_context
 
 
 class _Hello(QuietHandler):

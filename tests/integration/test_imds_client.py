@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from forwarder.errors import ConfigError, ImdsError
-from forwarder.imds import Fetch, ImdsClient, RequestBudget, validate_endpoint
-from forwarder.retry import Backoff
+from forwarder.imds.client import Fetch, ImdsClient, RequestBudget, validate_endpoint
+from forwarder.common.retry import Backoff
 from tests.peers.http_peer import HttpPeer, Response
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,7 +11,7 @@ from forwarder.emulator import Emulator
 from tests.agent import ROOT, read_jsonl, wait_until, write_config
 from tests.peers.http_peer import HttpPeer
 
-# Runs `sefwd run` (forwarder.cli.main) in the subprocess's main thread; a watcher thread waits for
+# Runs `sefwd run` (forwarder.agent.cli.main) in the subprocess's main thread; a watcher thread waits for
 # the test's go-ahead file, writes the imported module names, then stops the agent with SIGTERM.
 RUNNER = textwrap.dedent("""
     import json, os, signal, sys, threading, time
@@ -25,7 +25,7 @@ RUNNER = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, daemon=True).start()
-    from forwarder.cli import main
+    from forwarder.agent.cli import main
     sys.exit(main(["run", "--config", config]))
 """)
 
@@ -57,7 +57,7 @@ def _modules_of_a_run(tmp_path, with_webhook: bool) -> list[str]:
     assert proc.returncode == 0, stderr.decode()[-2000:]
     assert event_id.encode() in stdout  # the stdout sink delivered too
     modules: list[str] = json.loads(result.read_text())
-    assert "forwarder.service" in modules and "forwarder.imds" in modules  # the check looked at a real run
+    assert "forwarder.agent.service" in modules and "forwarder.imds.client" in modules  # the check looked at a real run
     return modules
 
 
@@ -83,7 +83,7 @@ def test_configured_sink_with_missing_extra_names_the_pip_extra(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.modules["azure.identity"] = None  # as if the extra were not installed
-        from forwarder.config import load_config
+        from forwarder.agent.config import load_config
         from forwarder.errors import ConfigError
         try:
             load_config({str(config)!r}, env={{"TEST_AI_CONN": "InstrumentationKey=00000000-0000-0000-0000-000000000000"}})

@@ -7,7 +7,7 @@ from pathlib import Path
 import requests
 
 from forwarder.emulator import Emulator
-from forwarder.outcome import fold
+from forwarder.imds.outcome import fold
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 from tests.conftest import ROOT
 

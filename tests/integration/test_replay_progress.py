@@ -14,7 +14,7 @@ from pathlib import Path
 
 import orjson
 
-from forwarder.store import Store
+from forwarder.store.database import Store
 from tests.agent import ROOT, write_config
 from benchmarks.peers.webhook_receiver import WebhookReceiver
 

@@ -13,16 +13,16 @@ from pathlib import Path
 import orjson
 import pytest
 
-from forwarder.dispatcher import Dispatcher
+from forwarder.delivery.dispatcher import Dispatcher
 from forwarder.emulator import Emulator
 from forwarder.errors import StateError
-from forwarder.identity import VmIdentity
-from forwarder.imds import ImdsClient
-from forwarder.poller import Poller
+from forwarder.imds.identity import VmIdentity
+from forwarder.imds.client import ImdsClient
+from forwarder.agent.poller import Poller
 from forwarder.records import RecordFactory
-from forwarder.recovery import SALVAGE_TMP, open_agent_store, pending_loss
+from forwarder.store.recovery import SALVAGE_TMP, open_agent_store, pending_loss
 from forwarder.sinkapi import Record
-from forwarder.store import SavedState, Store
+from forwarder.store.database import SavedState, Store
 from tests.agent import wait_until
 from tests.integration.test_store_faults import fill, small_fs  # noqa: F401 - small_fs is a fixture
 
@@ -141,7 +141,7 @@ def test_the_data_lost_record_waits_while_the_store_refuses_commits_and_goes_out
         other = sqlite3.connect(state / "state.db", isolation_level=None)  # e.g. a `sefwd` command
         other.execute("BEGIN IMMEDIATE")
         thread = threading.Thread(target=poller.run)
-        with caplog.at_level(logging.ERROR, logger="forwarder.poller"):
+        with caplog.at_level(logging.ERROR, logger="forwarder.agent.poller"):
             thread.start()
             try:
                 wait_until(lambda: poller.stats.outbox_errors >= 4, 60, "commits refused while the lock is held")

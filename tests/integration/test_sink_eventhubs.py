@@ -15,10 +15,10 @@ from typing import Any
 import orjson
 import pytest
 
-from forwarder.dispatcher import Dispatcher
+from forwarder.delivery.dispatcher import Dispatcher
 from forwarder.emulator import Emulator
-from forwarder.store import Store
-from forwarder.retry import Backoff
+from forwarder.store.database import Store
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Record, Reject, Retry, SinkContext
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
 from tests.peers.connect_proxy import ConnectProxy
@@ -410,7 +410,7 @@ def _deliver_with_dispatcher(tmp_path: Path, sink: Any, records: list[Record]) -
                             backoff=Backoff(initial=0.05, maximum=0.5))
     dispatcher.start()
     for i in range(0, len(records), 5):  # the agent commits a change's records together
-        dispatcher.commit(records[i : i + 5])
+        dispatcher.store.commit(records[i : i + 5])
     return dispatcher
 
 
@@ -566,7 +566,7 @@ def test_missing_sdk_is_a_config_error_naming_the_extra(tmp_path):
     config.write_text('[[sinks]]\ntype = "eventhubs"\nconnection_string_env = "EH_CONN"\n')
     code = (
         "import sys; sys.modules['azure.eventhub'] = None\n"
-        "from forwarder.config import load_config\n"
+        "from forwarder.agent.config import load_config\n"
         "from forwarder.errors import ConfigError\n"
         f"try:\n    load_config({str(config)!r})\n"
         "except ConfigError as exc:\n    print('\\n'.join(exc.problems))\n"

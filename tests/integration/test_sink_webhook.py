@@ -15,7 +15,7 @@ import pytest
 import trustme
 from standardwebhooks.webhooks import Webhook
 
-from forwarder.signing import generate_secret
+from forwarder.common.signing import generate_secret
 from forwarder.sinkapi import Ok, Record, Reject, Retry, SinkContext
 from sinks.webhook import CONTENT_TYPE_BATCH, CONTENT_TYPE_SINGLE, WebhookSink, batch_id
 from benchmarks.peers.webhook_receiver import Reply, WebhookReceiver
@@ -376,7 +376,7 @@ def test_receiver_json_helper_round_trips(receiver):
 
 
 def test_timestamp_comes_from_the_injected_clock(receiver, tmp_path, secret):
-    from forwarder.signing import parse_secret, verify
+    from forwarder.common.signing import parse_secret, verify
 
     sink = WebhookSink({"url": receiver.url, "secret_env": "SEFWD_TEST_HOOK_SECRET"},
                        SinkContext(name="hook", state_dir=tmp_path), clock=lambda: 1_614_265_330.7)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import socket
 
-from forwarder.logutil import RateLimitedLog
+from forwarder.common.logs import RateLimitedLog
 from forwarder.sinkapi import Record, Retry, SinkContext
 from sinks.webhook import WebhookSink
 

@@ -13,9 +13,9 @@ import orjson
 import pytest
 
 from forwarder.errors import StateError
-from forwarder.recovery import lock_state_dir, open_agent_store
+from forwarder.store.recovery import lock_state_dir, open_agent_store
 from forwarder.sinkapi import Record
-from forwarder.store import SavedState, Store, StoreError, sequence_floor
+from forwarder.store.database import SavedState, Store, StoreError, sequence_floor
 
 
 def recs(n, start=0, rtype="scheduledevent.scheduled", pad=0):
@@ -147,7 +147,7 @@ FULL_DISK = textwrap.dedent(
     import resource, signal, sys
     from pathlib import Path
     from forwarder.sinkapi import Record
-    from forwarder.store import SavedState, Store, StoreError
+    from forwarder.store.database import SavedState, Store, StoreError
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     store = Store.open(Path(sys.argv[1]))
     base = store.load_state().sequence

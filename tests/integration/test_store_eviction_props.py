@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forwarder.sinkapi import Record
-from forwarder.store import Store, priority_of
+from forwarder.store.database import Store, priority_of
 
 TYPES = ("scheduledevent.scheduled", "scheduledevent.completed", "forwarder.heartbeat", "approval.refused",
          "forwarder.started")

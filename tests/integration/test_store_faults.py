@@ -18,8 +18,8 @@ import pytest
 import requests
 
 from forwarder.emulator import Emulator
-from forwarder.signing import generate_secret
-from forwarder.store import Store
+from forwarder.common.signing import generate_secret
+from forwarder.store.database import Store
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until
 from tests.integration.test_callback_agent import _reachable, free_port
 from tests.integration.test_cli import sefwd

@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("opentelemetry.exporter.prometheus")
 
-from forwarder.config import describe, parse_config  # noqa: E402
+from forwarder.agent.config import describe, parse_config  # noqa: E402
 from forwarder.emulator import Emulator  # noqa: E402
 from forwarder.errors import ConfigError  # noqa: E402
-from forwarder.telemetry import NO_TELEMETRY, Health, create_telemetry  # noqa: E402
+from forwarder.agent.telemetry import NO_TELEMETRY, Health, create_telemetry  # noqa: E402
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config  # noqa: E402
 from benchmarks.peers.appinsights_peer import IKEY, AppInsightsPeer  # noqa: E402
 
@@ -242,7 +242,7 @@ def test_missing_extra_is_a_config_error_naming_it(tmp_path):
     script = (
         "import sys\n"
         "sys.modules['opentelemetry.exporter.prometheus'] = None\n"
-        "from forwarder.config import load_config\n"
+        "from forwarder.agent.config import load_config\n"
         "from forwarder.errors import ConfigError\n"
         f"try:\n    load_config({str(config)!r}, env={{}})\nexcept ConfigError as exc:\n    print(exc)\n"
     )

@@ -13,11 +13,11 @@ import trustme
 from forwarder.approval.config import parse_approval
 from forwarder.approval.policy import SEED_SAMPLE_RULES
 from forwarder.approval.settings import ApprovalConfig, CallbackSettings, Rule
-from forwarder.signing import generate_secret, parse_secret
+from forwarder.common.signing import generate_secret, parse_secret
 from tests.conftest import FIXTURES
-from forwarder.config_example import shipped as _shipped_example
+from forwarder.agent.config_example import shipped as _shipped_example
 
-EXAMPLE_CONFIG = _shipped_example()  # forwarder/example-config.toml, what `sefwd config example` prints
+EXAMPLE_CONFIG = _shipped_example()  # forwarder/agent/example-config.toml, what `sefwd config example` prints
 
 SEED_SAMPLE_TOML = (FIXTURES / "seed-sample-policy.toml").read_text()
 SECRET_A, SECRET_B = generate_secret(), generate_secret()

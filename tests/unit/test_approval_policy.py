@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from forwarder.approval.policy import DEMO_RULES, SEED_SAMPLE_RULES, Decision, decide
 from forwarder.approval.settings import Rule
-from forwarder.document import Event, parse_event
+from forwarder.imds.document import Event, parse_event
 from forwarder.emulator import builtin_scenarios, load_scenario
-from forwarder.identity import VmIdentity
+from forwarder.imds.identity import VmIdentity
 
 VM = VmIdentity(name="myVM", computer_name="myvm")
 NAMELESS = VmIdentity()

@@ -13,7 +13,7 @@ import pytest
 from forwarder import sinkapi
 from forwarder.approval.config import APPROVAL_KEYS, CALLBACK_KEYS, RULE_KEYS
 from forwarder.approval.settings import CHANGE_KINDS, ApprovalConfig
-from forwarder.config import (
+from forwarder.agent.config import (
     SECTIONS,
     SUPPORTED_API_VERSIONS,
     Config,
@@ -25,10 +25,10 @@ from forwarder.config import (
     parse_config,
 )
 from forwarder.errors import ConfigError
-from forwarder.imds import ImdsClient
-from forwarder.config_example import shipped as _shipped_example
+from forwarder.imds.client import ImdsClient
+from forwarder.agent.config_example import shipped as _shipped_example
 
-EXAMPLE_CONFIG = _shipped_example()  # forwarder/example-config.toml, what `sefwd config example` prints
+EXAMPLE_CONFIG = _shipped_example()  # forwarder/agent/example-config.toml, what `sefwd config example` prints
 
 HAVE_STDOUT_SINK = importlib.util.find_spec("sinks.stdout") is not None
 HAVE_FILE_SINK = importlib.util.find_spec("sinks.file") is not None

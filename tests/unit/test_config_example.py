@@ -4,14 +4,14 @@ from __future__ import annotations
 import re
 import tomllib
 
-from forwarder.config import SECTIONS, parse_config
-from forwarder.config_example import SINK_ORDER, render, shipped
+from forwarder.agent.config import SECTIONS, parse_config
+from forwarder.agent.config_example import SINK_ORDER, render, shipped
 from forwarder.sinkapi import load_sink_factory
 
 
 def test_shipped_example_is_what_the_generator_makes_now():
-    # On failure: python -m forwarder.config_example > forwarder/example-config.toml
-    assert shipped() == render(), "forwarder/example-config.toml is stale: regenerate it (see the comment)"
+    # On failure: python -m forwarder.agent.config_example > forwarder/agent/example-config.toml
+    assert shipped() == render(), "forwarder/agent/example-config.toml is stale: regenerate it (see the comment)"
 
 
 def test_example_loads_with_the_real_parser_and_passes_config_check():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from forwarder.units import parse_duration
+from forwarder.common.values import parse_duration
 
 ROOT = Path(__file__).resolve().parents[2]
 LINUX = ROOT / "deploy" / "linux"

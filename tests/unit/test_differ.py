@@ -5,11 +5,11 @@ from datetime import datetime, timezone
 
 import orjson
 
-from forwarder.differ import (
+from forwarder.imds.differ import (
     CANCELED, CANCELED_BEFORE_NOT_BEFORE, COMPLETED, ENDED, GONE_AFTER_NOT_BEFORE, SCHEDULED,
     STARTED, UPDATED, diff,
 )
-from forwarder.document import parse_document
+from forwarder.imds.document import parse_document
 from tests.conftest import FIXTURES
 
 NOW = datetime(2022, 4, 11, 22, 20, 0, tzinfo=timezone.utc)  # before the seed's NotBefore

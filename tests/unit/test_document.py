@@ -5,7 +5,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from forwarder.document import parse_document, parse_not_before
+from forwarder.imds.document import parse_document, parse_not_before
 from forwarder.errors import DocumentError
 from tests.conftest import FIXTURES
 

@@ -7,11 +7,11 @@ from datetime import datetime, timezone
 import orjson
 import pytest
 
-from forwarder.differ import diff
-from forwarder.document import EXTRA_DEPTH_MAX, EXTRA_FIELD_MAX, TRUNCATED, parse_document, warn_once
+from forwarder.imds.differ import diff
+from forwarder.imds.document import EXTRA_DEPTH_MAX, EXTRA_FIELD_MAX, TRUNCATED, parse_document, warn_once
 from forwarder.errors import DocumentError
-from forwarder.identity import VmIdentity
-from forwarder.logutil import OnceLog
+from forwarder.imds.identity import VmIdentity
+from forwarder.common.logs import OnceLog
 from forwarder.records import RecordFactory
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)
@@ -70,7 +70,7 @@ def test_not_before_outside_the_representable_range_is_null_with_the_raw_kept(ra
 def test_a_dropped_not_before_is_logged_once_saying_what_was_wrong(caplog, raw, why):
     warn_once.clear()
     body = orjson.dumps({"DocumentIncarnation": 1, "Events": [{"EventId": "NB-1", "NotBefore": raw}]})
-    with caplog.at_level("WARNING", logger="forwarder.document"):
+    with caplog.at_level("WARNING", logger="forwarder.imds.document"):
         for _ in range(3):  # the same document at every poll (and the saved one at a restart)
             assert parse_document(body).events[0].not_before is None
     lines = [r.getMessage() for r in caplog.records if "NotBefore" in r.getMessage()]
@@ -87,7 +87,7 @@ def test_a_refused_document_reports_no_bounded_values(caplog):
     warn_once.clear()
     body = orjson.dumps({"DocumentIncarnation": 1, "Events": [{"EventId": "NB-3", "NotBefore": "0001-01-01T00:00:00Z"},
                                                               {"EventId": "NB-3"}]})
-    with caplog.at_level("WARNING", logger="forwarder.document"), pytest.raises(DocumentError, match="twice"):
+    with caplog.at_level("WARNING", logger="forwarder.imds.document"), pytest.raises(DocumentError, match="twice"):
         parse_document(body)
     assert "NotBefore" not in caplog.text
 
@@ -95,7 +95,7 @@ def test_a_refused_document_reports_no_bounded_values(caplog):
 def test_duration_and_incarnation_bounds_are_logged_once(caplog):
     warn_once.clear()
     body = b'{"DocumentIncarnation": 18446744073709551617, "Events": [{"EventId": "D-1", "DurationInSeconds": 10000000000}]}'
-    with caplog.at_level("WARNING", logger="forwarder.document"):
+    with caplog.at_level("WARNING", logger="forwarder.imds.document"):
         parse_document(body)
         parse_document(body)
     text = [r.getMessage() for r in caplog.records]

@@ -25,14 +25,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from forwarder.differ import diff
-from forwarder.document import Document, parse_document
+from forwarder.imds.differ import diff
+from forwarder.imds.document import Document, parse_document
 from forwarder.errors import DocumentError
-from forwarder.identity import VmIdentity
-from forwarder.imds import ImdsClient, RequestBudget
-from forwarder.poller import Poller
+from forwarder.imds.identity import VmIdentity
+from forwarder.imds.client import ImdsClient, RequestBudget
+from forwarder.agent.poller import Poller
 from forwarder.records import RecordFactory
-from forwarder.store import Store
+from forwarder.store.database import Store
 from tests.adversarial.hostile import HostileServer, Reply, Request
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)

@@ -5,8 +5,8 @@ import json
 import threading
 from pathlib import Path
 
-from forwarder.config import parse_config
-from forwarder.extension_heartbeat import FAILING_POLLS, HeartbeatFile, heartbeat
+from forwarder.agent.config import parse_config
+from forwarder.agent.extension_heartbeat import FAILING_POLLS, HeartbeatFile, heartbeat
 from tests.agent import wait_until
 
 

@@ -1,7 +1,7 @@
 """/healthz names a stuck sink (dead worker, or failing for long) and is healthy again without it."""
 from __future__ import annotations
 
-from forwarder.telemetry import Health
+from forwarder.agent.telemetry import Health
 
 
 def test_a_stuck_sink_makes_the_agent_unhealthy_and_is_named():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import socket
 
-from forwarder.identity import VmIdentity
+from forwarder.imds.identity import VmIdentity
 
 
 def test_compute_metadata_with_vm_id_but_no_resource_id_gives_vm_source():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from forwarder.loopback import is_loopback
+from forwarder.common.loopback import is_loopback
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.8.9.10", "::1", "[::1]", "localhost"])

@@ -8,15 +8,15 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from forwarder.differ import CANCELED, COMPLETED, GONE, diff
-from forwarder.document import Document, parse_document
-from forwarder.evidence import EvidenceTracker, evidence_from_dict, evidence_to_dict, read_boot_id
-from forwarder.outcome import (
+from forwarder.imds.differ import CANCELED, COMPLETED, GONE, diff
+from forwarder.imds.document import Document, parse_document
+from forwarder.imds.evidence import EvidenceTracker, evidence_from_dict, evidence_to_dict, read_boot_id
+from forwarder.imds.outcome import (
     APPROVAL_ACCEPTED, CANCEL_MARGIN, GONE_BEFORE_NOT_BEFORE, INCARNATION_JUMP, NO_APPROVAL, NO_REBOOT,
     NO_UNSEEN_STATES, OUTCOMES, PAUSED, REBOOTED, SEEN_STARTED, UNKNOWN, EvidenceContext, fold, terminal_key,
 )
-from forwarder.outcome import CANCELED as OUT_CANCELED
-from forwarder.outcome import COMPLETED as OUT_COMPLETED
+from forwarder.imds.outcome import CANCELED as OUT_CANCELED
+from forwarder.imds.outcome import COMPLETED as OUT_COMPLETED
 
 # The real capture (Azure/vm-scheduled-events README): seen 04:36:08, approved 04:36:08,
 # gone 04:37:09, NotBefore 04:50:17, DocumentIncarnation 2 -> 4.
@@ -194,7 +194,7 @@ def test_canceled_only_with_all_the_evidence(started: bool, approved: bool, unse
                       NotBefore="" if started else not_before.strftime("%a, %d %b %Y %H:%M:%S GMT"))).events[0]
     ctx = EvidenceContext(now=GONE_AT, approvals={EVENT_ID.lower(): APPROVED_AT} if approved else {},
                           rebooted=rebooted, pause_seconds=pause, vm_names=THIS_VM)
-    from forwarder.outcome import decide
+    from forwarder.imds.outcome import decide
 
     outcome = decide(event, ctx, unseen)
     if outcome.outcome == OUT_CANCELED:

@@ -5,9 +5,9 @@ from datetime import datetime, timezone
 
 import orjson
 
-from forwarder.differ import diff
-from forwarder.document import parse_document
-from forwarder.identity import VmIdentity
+from forwarder.imds.differ import diff
+from forwarder.imds.document import parse_document
+from forwarder.imds.identity import VmIdentity
 from forwarder.records import RecordFactory, event_key
 from tests.conftest import FIXTURES
 

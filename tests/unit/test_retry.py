@@ -9,7 +9,7 @@ from email.utils import format_datetime
 
 import pytest
 
-from forwarder.retry import RETRYABLE_STATUS, Backoff, is_retryable_status, parse_retry_after
+from forwarder.common.retry import RETRYABLE_STATUS, Backoff, is_retryable_status, parse_retry_after
 
 NOW = datetime(2026, 11, 3, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -115,17 +115,25 @@ def test_parse_retry_after_garbage_is_none(value: str | None) -> None:
 
 
 # -- retryable statuses ----------------------------------------------------------------------
-@pytest.mark.parametrize("status", [408, 410, 429, 500, 502, 503, 504, 599])
+@pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504, 599])
 def test_retryable_statuses(status: int) -> None:
     assert is_retryable_status(status)
     assert status in RETRYABLE_STATUS
 
 
-@pytest.mark.parametrize("status", [200, 204, 304, 400, 401, 403, 404, 405, 409, 413, 422, 600])
+@pytest.mark.parametrize("status", [200, 204, 304, 400, 401, 403, 404, 405, 409, 410, 413, 422, 600])
 def test_non_retryable_statuses(status: int) -> None:
     assert not is_retryable_status(status)
 
 
 def test_retryable_status_set_is_frozen() -> None:
     assert isinstance(RETRYABLE_STATUS, frozenset)
-    assert RETRYABLE_STATUS == frozenset({408, 410, 429, *range(500, 600)})
+    assert RETRYABLE_STATUS == frozenset({408, 429, *range(500, 600)})
+
+
+def test_410_is_retried_only_by_the_imds_client() -> None:
+    """IMDS says "410: retry for up to 70 s"; to every other server 410 Gone is final (issue 14)."""
+    from forwarder.imds.client import IMDS_RETRYABLE_STATUS
+
+    assert 410 in IMDS_RETRYABLE_STATUS and 410 not in RETRYABLE_STATUS
+    assert IMDS_RETRYABLE_STATUS - RETRYABLE_STATUS == {410}

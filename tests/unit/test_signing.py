@@ -10,7 +10,7 @@ from requests.structures import CaseInsensitiveDict
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from forwarder.errors import ConfigError
-from forwarder.signing import (
+from forwarder.common.signing import (
     SignatureError,
     generate_secret,
     load_secret,

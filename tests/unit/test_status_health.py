@@ -1,7 +1,7 @@
 """`sefwd status` exit codes come from one health rule: not running, degraded (with reasons), healthy."""
 from __future__ import annotations
 
-from forwarder.status import health
+from forwarder.agent.status import health
 
 RUNNING = {"running": True, "agent": {"imds": {"consecutive_failures": 0}, "sinks": {"hook": {"stuck": False}}}}
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import orjson
 
-from forwarder.status import STATUS_KEY, StatusReporter
-from forwarder.store import Store
+from forwarder.agent.status import STATUS_KEY, StatusReporter
+from forwarder.store.database import Store
 
 
 def test_rewritten_on_change_not_on_every_poll_but_refreshed(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Parsing many keys at once: every problem collected, labelled by where the value came from."""
 from __future__ import annotations
 
-from forwarder.units import boolean, integer, parse_labelled, parse_table
+from forwarder.common.values import boolean, integer, parse_labelled, parse_table
 
 PARSERS = {"count": integer(0, 10), "on": boolean}
 

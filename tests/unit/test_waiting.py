@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from forwarder.waiting import WaitNotice
+from forwarder.agent.waiting import WaitNotice
 from tests.agent import wait_until
 
 

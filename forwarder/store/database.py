@@ -148,7 +148,7 @@ class SavedState:
     document: str | None = None
     api_version: str | None = None
     vm: dict[str, str] = field(default_factory=dict)
-    # forwarder.evidence.evidence_to_dict(): the boot id the document was seen at, accepted approvals.
+    # forwarder.imds.evidence.evidence_to_dict(): the boot id the document was seen at, accepted approvals.
     evidence: dict[str, Any] = field(default_factory=dict)
 
 

@@ -25,20 +25,21 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import orjson
 
 from forwarder import __version__
-from forwarder.errors import ConfigError, ImdsError
-from forwarder.http_server import HttpServer, QuietHandler, host_port_text
+from forwarder.errors import ConfigError, ImdsError, ImdsTimeout
+from forwarder.common.http_server import HttpServer, QuietHandler, host_port_text
 from forwarder.sinkapi import Ok, Record, Reject, Result, Sink
 
 if TYPE_CHECKING:
-    from forwarder.config import TelemetryConfig
-    from forwarder.delivery import Outbox
-    from forwarder.store import SavedState
-    from forwarder.imds import Fetch, ImdsClient
+    from forwarder.agent.config import TelemetryConfig
+    from forwarder.agent.poller import Poller
+    from forwarder.imds.client import Fetch, ImdsClient
+    from forwarder.store.database import SavedState
+    from forwarder.store.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,35 @@ POLL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 DELIVERY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
 _QUIET_LOGGERS = ("azure.core.pipeline.policies.http_logging_policy", "azure.monitor.opentelemetry.exporter")
 _SNAPSHOT_TTL = 0.5  # one collection reads many instruments: share one Dispatcher snapshot
+
+
+class AgentTelemetry(Protocol):
+    """What the service asks of its telemetry: wrap the core's objects, bind the figures, start, stop.
+
+    Two implementations: :class:`NullTelemetry` (not configured, every hook a no-op) and
+    :class:`Telemetry` (OpenTelemetry metrics).
+    """
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def instrument_imds(self, imds: ImdsClient) -> ImdsClient: ...
+
+    def instrument_sinks(self, sinks: dict[str, Sink]) -> dict[str, Sink]: ...
+
+    def instrument_outbox(self, outbox: Outbox) -> Outbox: ...
+
+    def bind(self, *, snapshot: Callable[[], Mapping[str, Any]] | None = None, poller: Poller | None = None) -> None: ...
+
+    def observe_poll(self, seconds: float, status: int | str) -> None: ...
+
+    def observe_send(self, sink: str, result: Result, count: int, latencies: Sequence[float] = ()) -> None: ...
+
+    def observe_append(self, records: Sequence[Record], error: BaseException | None = None) -> None: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
 
 
 class NullTelemetry:
@@ -66,7 +96,7 @@ class NullTelemetry:
     def instrument_outbox(self, outbox: Outbox) -> Outbox:
         return outbox
 
-    def bind(self, *, snapshot: Callable[[], Mapping[str, Any]] | None = None, poller: Any = None) -> None:
+    def bind(self, *, snapshot: Callable[[], Mapping[str, Any]] | None = None, poller: Poller | None = None) -> None:
         pass
 
     def observe_poll(self, seconds: float, status: int | str) -> None:
@@ -88,7 +118,7 @@ class NullTelemetry:
 NO_TELEMETRY = NullTelemetry()
 
 
-def create_telemetry(config: TelemetryConfig, state_dir: Path) -> NullTelemetry:
+def create_telemetry(config: TelemetryConfig, state_dir: Path) -> AgentTelemetry:
     """The agent's telemetry: NO_TELEMETRY unless configured; raises ConfigError if its extra is missing."""
     if not config.enabled:
         return NO_TELEMETRY
@@ -113,7 +143,7 @@ class Health:
         self._last_error: str | None = None
         self._consecutive = 0
         self._journal_error: str | None = None
-        self._poller: Any = None
+        self._poller: Poller | None = None
         self._outbox_errors_seen = 0
         self.stuck_sinks: Callable[[], list[str]] = list  # sinks whose worker is dead or failing for long
 
@@ -137,7 +167,7 @@ class Health:
             else:
                 self._journal_error = f"{type(error).__name__}: {error}"
 
-    def bind_poller(self, poller: Any) -> None:
+    def bind_poller(self, poller: Poller) -> None:
         with self._lock:
             self._poller = poller
             self._outbox_errors_seen = poller.stats.outbox_errors
@@ -184,7 +214,7 @@ class Health:
 def _error_label(exc: ImdsError) -> str:
     if exc.status is not None:
         return str(exc.status)
-    return "timeout" if "timed out" in str(exc) else "connection_error"
+    return "timeout" if isinstance(exc, ImdsTimeout) else "connection_error"
 
 
 class _TimedImds:
@@ -259,9 +289,6 @@ class _ObservedOutbox:
     def inbox(self) -> list[tuple[int, object]]:
         return self._outbox.inbox()
 
-    def close(self, drain_timeout: float) -> None:
-        self._outbox.close(drain_timeout)
-
 
 # -- the endpoint ----------------------------------------------------------------------------------
 
@@ -320,7 +347,7 @@ def _read_connection_string(config: TelemetryConfig) -> str:
 
 # -- the real thing --------------------------------------------------------------------------------
 
-class Telemetry(NullTelemetry):
+class Telemetry:
     """OpenTelemetry metrics for one agent: instruments, readers, and the /metrics + /healthz endpoint."""
 
     enabled = True
@@ -483,7 +510,7 @@ class Telemetry(NullTelemetry):
     def instrument_outbox(self, outbox: Outbox) -> Outbox:
         return _ObservedOutbox(outbox, self)
 
-    def bind(self, *, snapshot: Callable[[], Mapping[str, Any]] | None = None, poller: Any = None) -> None:
+    def bind(self, *, snapshot: Callable[[], Mapping[str, Any]] | None = None, poller: Poller | None = None) -> None:
         """Where the observable gauges read from (``Dispatcher.snapshot``) and the poller's counters."""
         if snapshot is not None:
             self._snapshot_fn = snapshot

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit
 
-from forwarder.units import control_characters
+from forwarder.common.values import control_characters
 
 # The exporter's own pattern (azure-monitor-opentelemetry-exporter ConnectionStringParser): lower case only.
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")

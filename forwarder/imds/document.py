@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from forwarder.errors import DocumentError
-from forwarder.logutil import OnceLog
+from forwarder.common.logs import OnceLog
 
 # The IMDS field names, in the order the seeds show them; everything else is kept as "extra".
 KNOWN_FIELDS = (

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from forwarder.errors import StateError
-from forwarder.store import Store, connect
+from forwarder.store.database import Store, connect
 
 
 def _digest(msg_id: str) -> str:

@@ -1,12 +1,12 @@
 """``sefwd config example``, generated from the definitions the parser uses, so it cannot drift.
 
-The flat sections and their defaults come from ``forwarder.config.SECTIONS``, the environment
-rule from ``forwarder.config.ENV_PREFIX``, each built-in sink's keys from its ``OPTIONS``
+The flat sections and their defaults come from ``forwarder.agent.config.SECTIONS``, the environment
+rule from ``forwarder.agent.config.ENV_PREFIX``, each built-in sink's keys from its ``OPTIONS``
 dict, [approval]'s keys from forwarder.approval.config. This module adds only the prose and
 example values; ``render()`` raises if a key has none, so a new key cannot be left out.
 
-The result is shipped as forwarder/example-config.toml (printed by ``sefwd config example``);
-regenerate it with ``python -m forwarder.config_example > forwarder/example-config.toml``
+The result is shipped as forwarder/agent/example-config.toml (printed by ``sefwd config example``);
+regenerate it with ``python -m forwarder.agent.config_example > forwarder/agent/example-config.toml``
 (tests/unit/test_config_example.py fails while the two differ).
 """
 from __future__ import annotations
@@ -253,11 +253,11 @@ def _checked(what: str, defined: Any, documented: Any) -> None:
     missing, extra = set(defined) - set(documented), set(documented) - set(defined)
     if missing or extra:
         raise KeyError(f"config example of {what} is out of date: undocumented {sorted(missing)}, "
-                       f"no longer defined {sorted(extra)}; edit forwarder/config_example.py")
+                       f"no longer defined {sorted(extra)}; edit forwarder/agent/config_example.py")
 
 
 def _sections() -> list[str]:
-    from forwarder.config import ENV_PREFIX, SECTIONS
+    from forwarder.agent.config import ENV_PREFIX, SECTIONS
 
     _checked("the sections", SECTIONS, KEY_DOCS)
     out: list[str] = []
@@ -353,7 +353,7 @@ def _approval() -> list[str]:
 
 
 def render() -> str:
-    """The whole example config (what forwarder/example-config.toml must hold)."""
+    """The whole example config (what forwarder/agent/example-config.toml must hold)."""
     lines: list[str] = []
     for i, paragraph in enumerate(HEADER.split("\n|\n")):
         lines += (["#"] if i else []) + _comment(paragraph.replace("\n", " "))
@@ -365,7 +365,7 @@ def shipped() -> str:
     """The example config shipped with the package (printed by ``sefwd config example``)."""
     from importlib.resources import files
 
-    return files("forwarder").joinpath("example-config.toml").read_text(encoding="utf-8")
+    return files("forwarder.agent").joinpath("example-config.toml").read_text(encoding="utf-8")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 
 from forwarder.errors import StateError
-from forwarder.store import DB_FILE, FORMAT, SCHEMA, Store, connect, parse_meta, priority_of, sequence_floor
+from forwarder.store.database import DB_FILE, FORMAT, SCHEMA, Store, connect, parse_meta, priority_of, sequence_floor
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,11 @@ from typing import NoReturn
 
 from tqdm import tqdm
 
-from forwarder.config import Config
+from forwarder.agent.config import Config
 from forwarder.errors import ForwarderError
-from forwarder.retry import Backoff
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Reject, Retry, SinkContext, load_sink_factory
-from forwarder.store import Store
+from forwarder.store.database import Store
 
 
 def _progress_bar(total: int) -> tqdm[NoReturn]:

@@ -32,14 +32,14 @@ from urllib.parse import quote, urlsplit
 import httptools
 
 from forwarder import __version__
-from forwarder.errors import ConfigError, ImdsError
-from forwarder.retry import Backoff, is_retryable_status, parse_retry_after
-from forwarder.units import url_text
+from forwarder.common.retry import RETRYABLE_STATUS, Backoff, parse_retry_after
+from forwarder.common.values import url_text
+from forwarder.errors import ConfigError, ImdsError, ImdsTimeout
 
 if TYPE_CHECKING:
     import ssl
 
-    from forwarder.config import ImdsConfig
+    from forwarder.agent.config import ImdsConfig
 
 __all__ = [
     "Fetch", "ImdsClient", "RequestBudget", "MAX_BODY", "RETRY_AFTER_CAP", "REQUEST_BUDGET",
@@ -49,6 +49,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 GONE_WINDOW = 70.0  # IMDS: "410 — retry for up to 70 s in total"
+# The shared retryable statuses plus IMDS's own 410 ("retry for up to 70 s"); to other servers 410 is final.
+IMDS_RETRYABLE_STATUS: frozenset[int] = RETRYABLE_STATUS | {410}
 RETRY_DEADLINE = 90.0  # whole budget of one start_requests()/compute() call
 BODY_SNIPPET = 200
 # IMDS answers are a few KiB (a scale-set event naming 1,000 instances is ~20 KiB; compute with 50
@@ -330,11 +332,11 @@ class ImdsClient:
             delay = self.backoff.delay(attempt, self._rng, retry_after)
             spent = now - started
             if spent + delay > budget or (gone_since is not None and now - gone_since + delay > self.gone_window):
-                raise ImdsError(f"{error} (giving up after {attempt + 1} attempt(s) in {spent:.1f}s)",
+                raise type(error)(f"{error} (giving up after {attempt + 1} attempt(s) in {spent:.1f}s)",
                                 status=error.status, retryable=error.retryable, retry_after=error.retry_after)
             log.debug("IMDS %s %s failed (%s); retry %d in %.2fs", method, url, error, attempt + 1, delay)
             if self._stop.wait(delay):
-                raise ImdsError(f"stopped while retrying IMDS {method} {url}; last error: {error}",
+                raise type(error)(f"stopped while retrying IMDS {method} {url}; last error: {error}",
                                 status=error.status, retryable=True)
             attempt += 1
 
@@ -345,9 +347,9 @@ class ImdsClient:
             response = self._pool.request(raw, deadline)
         except TimeoutError as exc:
             if getattr(exc, "connecting", False):
-                raise ImdsError(f"IMDS {method} {url}: connect timed out after {self.connect_timeout:g}s",
+                raise ImdsTimeout(f"IMDS {method} {url}: connect timed out after {self.connect_timeout:g}s",
                                 status=None, retryable=True) from None
-            raise ImdsError(f"IMDS {method} {url}: timed out after {deadline:g}s (deadline for the whole answer)",
+            raise ImdsTimeout(f"IMDS {method} {url}: timed out after {deadline:g}s (deadline for the whole answer)",
                             status=None, retryable=True) from None
         except _TooLarge as exc:
             raise ImdsError(f"IMDS {method} {url}: answer refused: {exc}", status=None, retryable=True) from None
@@ -370,7 +372,7 @@ class ImdsClient:
         return ImdsError(
             f"IMDS {method} {url} answered {status} {reason}".rstrip() + detail,
             status=status,
-            retryable=is_retryable_status(status),
+            retryable=status in IMDS_RETRYABLE_STATUS,
             retry_after=parse_retry_after(response.headers.get("retry-after")),
         )
 
@@ -397,7 +399,7 @@ class _Framing(Exception):
     """The answer's framing is broken or suspicious (a callback stops the parser with this)."""
 
 
-class _Conn:
+class _KeptAliveConnection:
     """One kept-alive connection and its response parser (llhttp parses message after message)."""
 
     __slots__ = ("sock", "parser", "headers", "chunks", "complete", "headers_done", "keep_alive", "interim",
@@ -553,7 +555,7 @@ class _Pool:
         self.netloc = parts.netloc
         self.connect_timeout = connect_timeout
         self.max_body = max_body
-        self._idle: list[_Conn] = []
+        self._idle: list[_KeptAliveConnection] = []
         self._lock = threading.Lock()
         self._tls: ssl.SSLContext | None = None
         if parts.scheme == "https":
@@ -573,7 +575,7 @@ class _Pool:
     def request(self, raw: bytes, timeout: float) -> _Response:
         """One request and its answer, all within ``timeout`` seconds."""
         end = time.monotonic() + timeout
-        conn: _Conn | None = None
+        conn: _KeptAliveConnection | None = None
         with self._lock:
             while self._idle and conn is None:
                 conn = self._idle.pop()
@@ -583,7 +585,7 @@ class _Pool:
         reused = conn is not None
         while True:
             if conn is None:
-                conn = _Conn(self._connect(end), self.max_body)
+                conn = _KeptAliveConnection(self._connect(end), self.max_body)
             try:
                 response = conn.exchange(raw, end)
             except _NoAnswer:
@@ -621,7 +623,7 @@ class _Pool:
             raise
         return sock
 
-    def _give_back(self, conn: _Conn) -> None:
+    def _give_back(self, conn: _KeptAliveConnection) -> None:
         with self._lock:
             if len(self._idle) < self.MAX_IDLE:
                 self._idle.append(conn)

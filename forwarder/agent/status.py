@@ -13,9 +13,9 @@ import orjson
 
 from forwarder import __version__
 from forwarder.errors import ForwarderError
-from forwarder.logutil import RateLimitedLog, redact
+from forwarder.common.logs import RateLimitedLog, redact
 from forwarder.records import rfc3339, utcnow
-from forwarder.store import DB_FILE, Store
+from forwarder.store.database import DB_FILE, Store
 
 STATUS_KEY = "status"
 log = logging.getLogger(__name__)

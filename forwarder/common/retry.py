@@ -9,8 +9,9 @@ from email.utils import parsedate_to_datetime
 
 __all__ = ["Backoff", "RETRYABLE_STATUS", "is_retryable_status", "parse_retry_after"]
 
-# 408 timeout, 410 (IMDS: "retry for up to 70 s"), 429 throttled, every 5xx.
-RETRYABLE_STATUS: frozenset[int] = frozenset({408, 410, 429, *range(500, 600)})
+# 408 timeout, 429 throttled, every 5xx. (IMDS also retries 410 for up to 70 s: that rule is
+# IMDS-only and lives in forwarder.imds.client; to any other server 410 Gone is final.)
+RETRYABLE_STATUS: frozenset[int] = frozenset({408, 429, *range(500, 600)})
 
 
 def is_retryable_status(status: int) -> bool:

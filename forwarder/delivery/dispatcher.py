@@ -12,11 +12,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from forwarder.logutil import RateLimitedLog
+from forwarder.common.logs import RateLimitedLog
 from forwarder.records import rfc3339, utcnow
-from forwarder.retry import Backoff
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Record, Reject, Retry, Sink
-from forwarder.store import Entry, SavedState, Store
+from forwarder.store.database import Entry, Store
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,10 @@ class SinkWorker:
 
 
 class Dispatcher:
-    """The poller's outbox: commits to the store, runs a worker per sink and a supervisor."""
+    """Delivers what the store holds: a worker per sink, and a supervisor that restarts dead ones.
+
+    It only reads the store; records are committed through ``forwarder.store.outbox.StoreOutbox``.
+    """
 
     def __init__(self, store: Store, sinks: Mapping[str, Sink], *, backoff: Backoff | None = None,
                  max_age: Mapping[str, float | None] | None = None, stuck_after: float = STUCK_AFTER,
@@ -211,7 +214,6 @@ class Dispatcher:
             for name, sink in self.sinks.items()
         }
         self._supervise_every = supervise_every
-        self._inbox_pending = True  # entries queued while no agent ran
         self._supervisor = threading.Thread(target=self._supervise, name="sink-supervisor", daemon=True)
 
     def start(self) -> None:
@@ -224,19 +226,6 @@ class Dispatcher:
             for w in self.workers.values():
                 if not w.thread.is_alive() and not w.draining.is_set() and not self.halt.is_set():
                     w.restart()
-
-    def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = ()) -> None:
-        """Outbox protocol: the records and the state they came from are durable when this returns."""
-        self.store.commit(records, state, inbox_ids=inbox_ids)
-
-    def inbox(self) -> list[tuple[int, object]]:
-        """Entries queued by other processes, looked at only when another connection wrote (or
-        the last look found some: they stay until the commit that consumes them succeeds)."""
-        if not (self.store.refresh() or self._inbox_pending):
-            return []
-        rows = self.store.inbox()
-        self._inbox_pending = bool(rows)
-        return rows
 
     def snapshot(self) -> dict[str, object]:
         """Per-sink and store figures for status and metrics."""

@@ -1,4 +1,4 @@
-"""What the poller observes for ``forwarder.outcome``: boot id, pauses, approvals IMDS accepted.
+"""What the poller observes for ``forwarder.imds.outcome``: boot id, pauses, approvals IMDS accepted.
 
 The part that must survive a restart is one JSON-able dict (``evidence_to_dict`` /
 ``evidence_from_dict``) that the state keeps beside the last document.
@@ -11,7 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from forwarder.outcome import EvidenceContext
+from forwarder.imds.outcome import EvidenceContext
 
 log = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from forwarder.document import Document, Event
-from forwarder.outcome import CANCELED as OUTCOME_CANCELED
-from forwarder.outcome import COMPLETED as OUTCOME_COMPLETED
-from forwarder.outcome import EvidenceContext, Outcome, decide, unseen_states
+from forwarder.imds.document import Document, Event
+from forwarder.imds.outcome import CANCELED as OUTCOME_CANCELED
+from forwarder.imds.outcome import COMPLETED as OUTCOME_COMPLETED
+from forwarder.imds.outcome import EvidenceContext, Outcome, decide, unseen_states
 
 SCHEDULED = "scheduled"
 STARTED = "started"
@@ -62,7 +62,7 @@ def diff(previous: Document | None, current: Document, now: datetime,
 
     A status change is one ``started`` change listing every other changed field, never an
     extra ``updated`` beside it. Order: current events in document order, then removals, whose
-    kind (completed / canceled / ended) ``forwarder.outcome.decide`` takes from ``evidence``
+    kind (completed / canceled / ended) ``forwarder.imds.outcome.decide`` takes from ``evidence``
     (default: a continuously running agent that approved nothing).
     """
     if previous is None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from forwarder.document import Event
+from forwarder.imds.document import Event
 
 COMPLETED = "completed"
 CANCELED = "canceled"

@@ -12,18 +12,18 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from forwarder.differ import Change, diff
-from forwarder.document import Document, parse_document
-from forwarder.delivery import Outbox
+from forwarder.imds.differ import Change, diff
+from forwarder.imds.document import Document, parse_document
+from forwarder.store.outbox import Outbox
 from forwarder.errors import DocumentError, ForwarderError, ImdsError
-from forwarder.evidence import evidence_from_dict, evidence_to_dict, read_boot_id
-from forwarder.identity import VmIdentity
-from forwarder.imds import RETRY_AFTER_CAP, ImdsClient
-from forwarder.logutil import RateLimitedLog
+from forwarder.imds.evidence import evidence_from_dict, evidence_to_dict, read_boot_id
+from forwarder.imds.identity import VmIdentity
+from forwarder.imds.client import RETRY_AFTER_CAP, ImdsClient
+from forwarder.common.logs import RateLimitedLog
 from forwarder.records import RecordFactory, utcnow
-from forwarder.retry import Backoff
+from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Record
-from forwarder.store import SavedState
+from forwarder.store.database import SavedState
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class Poller:
         self._rng = random.Random()
         self.stats = PollStats()
         self.started_mono = monotonic()
-        # Evidence for completed/canceled decisions (forwarder.outcome), kept in the state.
+        # Evidence for completed/canceled decisions (forwarder.imds.outcome), kept in the state.
         self.evidence = evidence_from_dict(state.evidence, boot_id())
         if state.document is None:
             self.evidence.document_committed()  # fresh install: nothing was seen at another boot
@@ -184,7 +184,7 @@ class Poller:
                 self.evidence.approval_accepted(ids, self._wall())
 
         def build() -> list[Record]:
-            # (start-up recovery queues its forwarder.data_lost announcement here: see forwarder.recovery)
+            # (start-up recovery queues its forwarder.data_lost announcement here: see forwarder.store.recovery)
             return [self.factory.lifecycle("data_lost", e["Data"] if isinstance(e.get("Data"), dict) else {})
                     if e.get("Lifecycle") else self.factory.approval(e) for e in entries]
 

@@ -19,8 +19,8 @@ from forwarder.errors import ConfigError, ForwarderError
 
 if TYPE_CHECKING:
     from forwarder.emulator import Emulator
-    from forwarder.service import Agent
-    from forwarder.store import SavedState
+    from forwarder.agent.service import Agent
+    from forwarder.store.database import SavedState
 
 log = logging.getLogger("forwarder")
 
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(args: argparse.Namespace, config_level: str | None = None) -> None:
-    from forwarder.logutil import setup_logging
+    from forwarder.common.logs import setup_logging
 
     setup_logging(args.log_level or config_level or "info")
 
@@ -191,8 +191,8 @@ def _install_signals(stop: threading.Event) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from forwarder.config import load_config
-    from forwarder.service import Agent
+    from forwarder.agent.config import load_config
+    from forwarder.agent.service import Agent
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
@@ -202,15 +202,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_once(args: argparse.Namespace) -> int:
-    from forwarder.config import load_config
-    from forwarder.differ import diff
-    from forwarder.document import parse_document
+    from forwarder.agent.config import load_config
+    from forwarder.imds.differ import diff
+    from forwarder.imds.document import parse_document
     from forwarder.errors import DocumentError, ImdsError
-    from forwarder.imds import ImdsClient
+    from forwarder.imds.client import ImdsClient
     from forwarder.records import RecordFactory, utcnow
-    from forwarder.service import resolve_identity
-    from forwarder.store import SavedState
-    from forwarder.waiting import WaitNotice
+    from forwarder.agent.service import resolve_identity
+    from forwarder.store.database import SavedState
+    from forwarder.agent.waiting import WaitNotice
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
@@ -236,7 +236,7 @@ def cmd_once(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - a broken compute answer must not hide the events
         print(f"sefwd: instance metadata unusable ({type(exc).__name__}: {exc}); using a fallback identity",
               file=sys.stderr)
-        from forwarder.identity import VmIdentity
+        from forwarder.imds.identity import VmIdentity
 
         vm = VmIdentity.fallback()
     try:
@@ -262,7 +262,7 @@ def cmd_once(args: argparse.Namespace) -> int:
 
 
 def _print_records(records: Sequence[object], pretty: bool) -> None:
-    from sinks.stdout import render_pretty
+    from forwarder.common.terminal import render_pretty
 
     out = sys.stdout.buffer
     for r in records:
@@ -274,9 +274,9 @@ def _print_records(records: Sequence[object], pretty: bool) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from forwarder.config import SinkConfig, load_config
+    from forwarder.agent.config import SinkConfig, load_config
     from forwarder.emulator import Emulator, load_scenario
-    from forwarder.service import Agent
+    from forwarder.agent.service import Agent
 
     config = load_config(args.config) if args.config else load_config(None, env={}, system_path=None)
     _setup_logging(args, "warning" if not args.log_level else None)
@@ -338,8 +338,8 @@ def _wait_finished(emulator: Emulator, stop: threading.Event, timeout: float) ->
 
 def _demo_counts(agent: Agent, emulator: Emulator) -> tuple[int, int]:
     """Records the demo's sinks got (the most any sink got) and scheduled events the scenario made."""
-    outbox = agent.outbox
-    records = max((w.stats.delivered for w in outbox.workers.values()), default=0) if outbox is not None else 0
+    dispatcher = agent.dispatcher
+    records = max((w.stats.delivered for w in dispatcher.workers.values()), default=0) if dispatcher is not None else 0
     try:
         history = emulator.stats().get("history") or []
         events = len({h.get("event_id") for h in history if isinstance(h, dict) and h.get("event_id")})
@@ -354,11 +354,11 @@ def cmd_approve(args: argparse.Namespace) -> int:
     import orjson
 
     from forwarder.approval.approver import APPROVED, Approver
-    from forwarder.config import load_config
-    from forwarder.imds import RETRY_DEADLINE, ImdsClient
-    from forwarder.service import resolve_identity
-    from forwarder.store import Store
-    from forwarder.waiting import WaitNotice
+    from forwarder.agent.config import load_config
+    from forwarder.imds.client import RETRY_DEADLINE, ImdsClient
+    from forwarder.agent.service import resolve_identity
+    from forwarder.store.database import Store
+    from forwarder.agent.waiting import WaitNotice
 
     config = load_config(args.config)
     # The result goes to stdout; at the default level no log line repeats it on stderr.
@@ -405,7 +405,7 @@ def _say(line: str) -> None:
 
 def _saved_state(state_dir: Path) -> SavedState:
     """The agent's saved state (its VM identity) for a one-shot command; empty when unreadable."""
-    from forwarder.store import DB_FILE, SavedState, Store
+    from forwarder.store.database import DB_FILE, SavedState, Store
 
     if not (state_dir / DB_FILE).is_file():
         return SavedState()
@@ -422,8 +422,8 @@ def _saved_state(state_dir: Path) -> SavedState:
 def cmd_status(args: argparse.Namespace) -> int:
     import orjson
 
-    from forwarder.config import load_config
-    from forwarder.status import format_status, health, read_status
+    from forwarder.agent.config import load_config
+    from forwarder.agent.status import format_status, health, read_status
 
     config = load_config(args.config)
     status = read_status(config.state.dir)
@@ -438,8 +438,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_deadletter(args: argparse.Namespace) -> int:
-    from forwarder.config import load_config
-    from forwarder.store import DB_FILE, Store
+    from forwarder.agent.config import load_config
+    from forwarder.store.database import DB_FILE, Store
 
     config = load_config(args.config)
     if args.deadletter_command == "list":
@@ -467,14 +467,14 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
                 print(f"{dl.sink}\t{dl.time}\t{dl.reason}\t{e.get('type')}\t{e.get('id')}\t{e.get('subject', '')}\t{dl.detail[:80]}")
         print(f"{len(letters)} dead letter(s)", file=sys.stderr)
         return EXIT_OK
-    from forwarder.replay import replay
+    from forwarder.delivery.resend import replay
 
     return replay(config, args.sink, timeout=args.timeout, json_out=args.json)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from forwarder.config import describe, load_config
-    from forwarder.config_example import shipped
+    from forwarder.agent.config import describe, load_config
+    from forwarder.agent.config_example import shipped
 
     if args.config_command == "example":
         sys.stdout.write(shipped())

@@ -5,24 +5,30 @@ import logging
 import os
 import threading
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING
 
 from forwarder import __version__
-from forwarder.config import Config
-from forwarder.dispatcher import Dispatcher
+from forwarder.agent.config import Config
+from forwarder.delivery.dispatcher import Dispatcher
 from forwarder.errors import ConfigError, ImdsError, StateError
-from forwarder.extension_heartbeat import HeartbeatFile
-from forwarder.identity import VmIdentity
-from forwarder.imds import ImdsClient
-from forwarder.poller import Poller
+from forwarder.agent.extension_heartbeat import HeartbeatFile
+from forwarder.imds.identity import VmIdentity
+from forwarder.imds.client import ImdsClient
+from forwarder.agent.poller import Poller
 from forwarder.records import RecordFactory, rfc3339, utcnow
-from forwarder.retry import Backoff
-from forwarder.recovery import Loss, lock_state_dir, open_agent_store
+from forwarder.common.retry import Backoff
+from forwarder.store.recovery import Loss, lock_state_dir, open_agent_store
 from forwarder.sinkapi import Sink, SinkContext, load_sink_factory
-from forwarder.status import StatusReporter
-from forwarder.store import DB_FILE, SavedState, Store
-from forwarder.telemetry import NO_TELEMETRY, NullTelemetry, create_telemetry
-from forwarder.waiting import WaitNotice
+from forwarder.agent.status import StatusReporter
+from forwarder.store.database import DB_FILE, SavedState, Store
+from forwarder.agent.telemetry import NO_TELEMETRY, AgentTelemetry, create_telemetry
+from forwarder.store.outbox import StoreOutbox
+from forwarder.agent.waiting import WaitNotice
+
+if TYPE_CHECKING:  # imported at run time only when approvals are configured
+    from forwarder.approval.approver import Approver
+    from forwarder.approval.callback import ApprovalRequest, CallbackServer, Verdict
+    from forwarder.approval.refusals import RefusalAggregator
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +73,13 @@ class Agent:
         self.stop = stop or threading.Event()
         self.pretty = pretty
         self.poller: Poller | None = None
-        self.outbox: Dispatcher | None = None
-        self.approver: Any = None
-        self.callback: Any = None
-        self.telemetry: NullTelemetry = NO_TELEMETRY
+        self.dispatcher: Dispatcher | None = None
+        self.approver: Approver | None = None
+        self.callback: CallbackServer | None = None
+        self.telemetry: AgentTelemetry = NO_TELEMETRY
         self.ready = threading.Event()
         self.loss: Loss | None = None
-        self.refusals: Any = None
+        self.refusals: RefusalAggregator | None = None
         self.waiting_since: datetime | None = None  # until IMDS first answered (status: "waiting for IMDS")
 
     def waiting_message(self) -> str:
@@ -86,7 +92,8 @@ class Agent:
     def _answered(self) -> bool:
         return self.poller is not None and self.poller.stats.last_ok_wall is not None
 
-    def _outbox(self, store: Store) -> Dispatcher:
+    def _start_delivery(self, store: Store) -> Dispatcher:
+        """The sinks, and a dispatcher delivering the store's records to them."""
         cfg = self.config
         sinks = self.telemetry.instrument_sinks(build_sinks(cfg, self.stop, pretty=self.pretty))
         backoff = Backoff(
@@ -105,7 +112,7 @@ class Agent:
             return
         from forwarder.approval.approver import Approver
 
-        # Its own IMDS client: requests sessions are not shared between threads.
+        # Its own IMDS client: approvals run on other threads, and a client's pooled connections are not shared.
         client = ImdsClient.from_config(self.config.imds, stop=self.stop)
         self.approver = approver = Approver(ap, client, lambda: poller.factory.vm, poller.submit_audit,
                                             self.config.state.dir, self.stop)
@@ -118,7 +125,7 @@ class Agent:
             from forwarder.approval.callback import CallbackServer, Verdict
             from forwarder.approval.refusals import RefusalAggregator
 
-            def decide(request: Any) -> Any:
+            def decide(request: ApprovalRequest) -> Verdict:
                 attempt = approver.approve(request.event_ids, actor="callback", approver=request.approver,
                                            client=request.client, reason=request.reason)
                 return Verdict(attempt.status, attempt.answer())
@@ -135,9 +142,9 @@ class Agent:
             self.callback = CallbackServer(ap.callback, decide, refusals.submit, self.config.state.dir / DB_FILE).start()
             log.info("approval callback listening on %s", self.callback.url)
 
-    def snapshot(self, outbox: Dispatcher, poller: Poller) -> dict[str, object]:
+    def snapshot(self, dispatcher: Dispatcher, poller: Poller) -> dict[str, object]:
         st = poller.stats
-        data = outbox.snapshot()
+        data = dispatcher.snapshot()
         if self.loss is not None:
             data["data_lost"] = self.loss.record_data()
         data["imds"] = {
@@ -185,7 +192,7 @@ class Agent:
             imds = ImdsClient.from_config(cfg.imds, stop=self.stop)
             # Before the sinks are built, so they can be observed; a no-op unless [telemetry] is set.
             telemetry = self.telemetry = create_telemetry(cfg.telemetry, cfg.state.dir)
-            outbox = self.outbox = self._outbox(store)
+            dispatcher = self.dispatcher = self._start_delivery(store)
             # From the first second, say what we wait for (instance metadata, then the first poll
             # can each take long): on stderr every 30 s, and in the status report for `sefwd status`.
             self.waiting_since = utcnow()
@@ -197,7 +204,7 @@ class Agent:
                 vm = resolve_identity(imds, state)
                 factory = RecordFactory(vm, cfg.imds.api_version, sequence=state.sequence)
                 self.poller = poller = Poller(
-                    telemetry.instrument_imds(imds), state, factory, telemetry.instrument_outbox(outbox),
+                    telemetry.instrument_imds(imds), state, factory, telemetry.instrument_outbox(StoreOutbox(store)),
                     poll_interval=cfg.imds.poll_interval,
                     heartbeat=cfg.agent.heartbeat,
                     compute_refresh=cfg.imds.compute_refresh,
@@ -215,13 +222,13 @@ class Agent:
                 # A loss found at start (self.loss) is announced by the poller's first turn: its
                 # forwarder.data_lost record waits in the store's inbox until it commits.
                 self._start_approvals(poller, imds)
-                reporter = StatusReporter(store, lambda: self.snapshot(outbox, poller), self.stop)
+                reporter = StatusReporter(store, lambda: self.snapshot(dispatcher, poller), self.stop)
                 reporter.write()
                 reporter.start()
                 poller.on_first_answer = reporter.write  # "waiting for IMDS" ends in the report at once
                 if cfg.agent.heartbeat_file is not None:  # set by the Azure VM extension
-                    HeartbeatFile(cfg.agent.heartbeat_file, lambda: self.snapshot(outbox, poller), self.stop).start()
-                telemetry.bind(snapshot=outbox.snapshot, poller=poller)
+                    HeartbeatFile(cfg.agent.heartbeat_file, lambda: self.snapshot(dispatcher, poller), self.stop).start()
+                telemetry.bind(snapshot=dispatcher.snapshot, poller=poller)
                 telemetry.start()
                 self.ready.set()
                 poller.run()
@@ -240,11 +247,11 @@ class Agent:
                     self.callback.stop()
                 if self.approver is not None:
                     self.approver.imds.close()
-                outbox.close(cfg.agent.drain_timeout)
+                dispatcher.close(cfg.agent.drain_timeout)
                 telemetry.stop()  # after the drain, so the last deliveries are counted
                 imds.close()
                 if self.poller is not None:
-                    StatusReporter(store, lambda: self.snapshot(outbox, poller), self.stop).write(stopped=True)
+                    StatusReporter(store, lambda: self.snapshot(dispatcher, poller), self.stop).write(stopped=True)
                 store.close()
         finally:
             if lock is not None:

@@ -19,15 +19,15 @@ from typing import Any
 
 from forwarder.approval.config import parse_approval
 from forwarder.approval.settings import ApprovalConfig
-from forwarder.connection_strings import appinsights_problems
+from forwarder.common.connection_strings import appinsights_problems
 from forwarder.errors import ConfigError
-from forwarder.http_server import parse_listen
-from forwarder.logutil import redact
-from forwarder.units import (
+from forwarder.common.http_server import parse_listen
+from forwarder.common.logs import redact
+from forwarder.common.values import (
     boolean, choice, control_characters, duration, format_duration, parse_duration, parse_labelled, size,
     suggest, url_text,
 )
-from forwarder.imds import MAX_BODY, MAX_BODY_LIMIT, MIN_BODY_LIMIT, check_max_body, validate_endpoint
+from forwarder.imds.client import MAX_BODY, MAX_BODY_LIMIT, MIN_BODY_LIMIT, check_max_body, validate_endpoint
 
 SYSTEM_CONFIG_PATH = Path("/etc/sefwd/config.toml")
 DEFAULTS_SOURCE = "built-in defaults"
@@ -63,7 +63,7 @@ class ImdsConfig:
     first_call_timeout: float
     compute_api_version: str
     compute_refresh: float
-    max_body: int = MAX_BODY  # answers above this are refused unread (forwarder.imds)
+    max_body: int = MAX_BODY  # answers above this are refused unread (forwarder.imds.client)
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class AgentConfig:
     heartbeat: float
     log_level: str
     drain_timeout: float
-    heartbeat_file: Path | None = None  # the Azure VM extension's liveness file (forwarder.extension_heartbeat)
+    heartbeat_file: Path | None = None  # the Azure VM extension's liveness file (forwarder.agent.extension_heartbeat)
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class Config:
 
 
 # -- value parsers: raw TOML value or env string -> parsed value, or ValueError ------------------
-# Bounds and units come from the one toolkit (forwarder.units); these add the config's own kinds.
+# Bounds and units come from the one toolkit (forwarder.common.values); these add the config's own kinds.
 
 def _string(value: Any) -> str:
     if not isinstance(value, str):

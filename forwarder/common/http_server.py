@@ -1,7 +1,7 @@
 """The one small HTTP-server base of the agent's three servers: approval callback, telemetry, emulator.
 
 What they share lives here, once: the ``host:port`` listen parser, the address family taken from
-the parsed host, binding without a reverse-DNS lookup, the loopback decision (forwarder.loopback,
+the parsed host, binding without a reverse-DNS lookup, the loopback decision (forwarder.common.loopback,
 on resolved addresses), the TLS context (certificate and key, TLS 1.2 at least), one quiet
 ``log_message`` (the module's logger, at debug), daemon threads, and start/stop in a background
 thread. What each server does with a connection (the callback's per-client caps and deadlines,
@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forwarder.loopback import is_loopback
+from forwarder.common.loopback import is_loopback
 
 if TYPE_CHECKING:
     import ssl
@@ -157,7 +157,7 @@ class HttpServer(ThreadingHTTPServer):
 
     @property
     def loopback(self) -> bool:
-        """Whether the server is private to this machine (decided on addresses: forwarder.loopback)."""
+        """Whether the server is private to this machine (decided on addresses: forwarder.common.loopback)."""
         return is_loopback(self.host)
 
     def url(self, scheme: str = "http") -> str:

@@ -1,0 +1,1 @@
+"""The agent wiring: CLI, configuration, service, poller, status, telemetry and the extension heartbeat."""

@@ -1,0 +1,1 @@
+"""Shared helpers with no pipeline stage: value parsing, logging, retry, signing, connection strings, loopback."""

@@ -1,0 +1,1 @@
+"""The delivery stage: per-sink workers reading the store, and re-sending dead letters."""
