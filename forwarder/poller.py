@@ -120,7 +120,8 @@ class Poller:
         body = fetch.body
         if body is None or body == self._last_body:  # 304, or byte-identical: the cheap common path
             self.stats.unchanged += 1
-            if self._last_body is not None and self.evidence.document_seen(started_wall.timestamp()):
+            if not self.evidence.seen_in_process and self._last_body is not None:
+                self.evidence.document_seen(started_wall.timestamp())
                 # Once per process: the saved document was seen by this process, at this boot.
                 self._emit(lambda: [])
             self._notify()
