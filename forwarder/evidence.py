@@ -5,7 +5,6 @@ The part that must survive a restart is one JSON-able dict (``evidence_to_dict``
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import sys
 import time
@@ -55,6 +54,8 @@ def read_boot_time(proc_stat: Path = PROC_STAT_PATH) -> float | None:
     except (OSError, ValueError, IndexError):
         pass
     if sys.platform == "win32":
+        import ctypes
+
         try:
             ticks = getattr(ctypes, "windll").kernel32.GetTickCount64
             ticks.restype = ctypes.c_ulonglong
