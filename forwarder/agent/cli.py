@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
@@ -10,7 +11,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from forwarder.emulator import Emulator
     from forwarder.agent.service import Agent
     from forwarder.store.database import SavedState
+    from forwarder.agent.config import ImdsConfig
+    from forwarder.imds.client import ImdsClient
 
 log = logging.getLogger("forwarder")
 
@@ -30,6 +33,7 @@ EXIT_CONFIG = 2
 EXIT_BAD_DOCUMENT = 3
 EXIT_DEGRADED = 4  # `sefwd status`: the agent runs, but something needs attention
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
+IMDS_TURN_LOCK = "imds-turn.lock"  # in the state dir: one-shot commands that call IMDS take turns
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -206,7 +210,6 @@ def cmd_once(args: argparse.Namespace) -> int:
     from forwarder.imds.differ import diff
     from forwarder.imds.document import parse_document
     from forwarder.errors import DocumentError, ImdsError
-    from forwarder.imds.client import ImdsClient
     from forwarder.records import RecordFactory, utcnow
     from forwarder.agent.service import resolve_identity
     from forwarder.store.database import SavedState
@@ -214,31 +217,30 @@ def cmd_once(args: argparse.Namespace) -> int:
 
     config = load_config(args.config)
     _setup_logging(args, config.agent.log_level)
-    imds = ImdsClient.from_config(config.imds)
+    imds = _cli_imds(config.imds)
     notice = WaitNotice(_say, f"once: waiting for IMDS at {config.imds.endpoint} (the first answer can take up "
-                        f"to {config.imds.first_call_timeout:g} s; Ctrl-C gives up)", first=2.0).start()
-    try:
-        fetch = imds.scheduled_events()
-    except ImdsError as exc:
-        print(f"sefwd: IMDS not reachable: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    except Exception as exc:  # noqa: BLE001 - `once` answers with its exit code, never a traceback
-        print(f"sefwd: IMDS not reachable: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    finally:
-        notice.close()
-    try:
-        saved = _saved_state(config.state.dir)
-    except (ForwarderError, OSError):
-        saved = SavedState()
-    try:
-        vm = resolve_identity(imds, saved)
-    except Exception as exc:  # noqa: BLE001 - a broken compute answer must not hide the events
-        print(f"sefwd: instance metadata unusable ({type(exc).__name__}: {exc}); using a fallback identity",
-              file=sys.stderr)
-        from forwarder.imds.identity import VmIdentity
+                        f"to {config.imds.first_call_timeout:g} s; Ctrl-C gives up)", first=2.0)
+    with notice, _imds_turn(config.state.dir):  # beside other one-shot commands (docs/imds-transport.md)
+        try:
+            fetch = imds.scheduled_events()
+        except ImdsError as exc:
+            print(f"sefwd: IMDS not reachable: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        except Exception as exc:  # noqa: BLE001 - `once` answers with its exit code, never a traceback
+            print(f"sefwd: IMDS not reachable: unexpected {type(exc).__name__}: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        try:
+            saved = _saved_state(config.state.dir)
+        except (ForwarderError, OSError):
+            saved = SavedState()
+        try:
+            vm = resolve_identity(imds, saved)
+        except Exception as exc:  # noqa: BLE001 - a broken compute answer must not hide the events
+            print(f"sefwd: instance metadata unusable ({type(exc).__name__}: {exc}); using a fallback identity",
+                  file=sys.stderr)
+            from forwarder.imds.identity import VmIdentity
 
-        vm = VmIdentity.fallback()
+            vm = VmIdentity.fallback()
     try:
         document = parse_document(fetch.body or b"")
         factory = RecordFactory(vm, config.imds.api_version)
@@ -355,7 +357,8 @@ def cmd_approve(args: argparse.Namespace) -> int:
 
     from forwarder.approval.approver import APPROVED, Approver
     from forwarder.agent.config import load_config
-    from forwarder.imds.client import RETRY_DEADLINE, ImdsClient
+    from forwarder.imds.client import RETRY_DEADLINE
+    from forwarder.imds.identity import VmIdentity
     from forwarder.agent.service import resolve_identity
     from forwarder.store.database import Store
     from forwarder.agent.waiting import WaitNotice
@@ -373,17 +376,26 @@ def cmd_approve(args: argparse.Namespace) -> int:
         finally:
             store.close()
 
-    imds = ImdsClient.from_config(config.imds)
     try:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = f"uid:{os.getuid()}" if hasattr(os, "getuid") else "unknown"
+    # IMDS request budget (docs/imds-transport.md): one request per window, the one the agent leaves
+    # free, and one `sefwd approve` at a time. The agent's saved identity spares the compute GET.
+    config.state.dir.mkdir(parents=True, exist_ok=True)
     # IMDS may be slow or unreachable (each call retries for up to 90 s): say so after 2 s, not nothing.
     with WaitNotice(_say, f"approve: waiting for IMDS at {config.imds.endpoint} (retrying for up to "
-                    f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)", first=2.0):
-        vm = resolve_identity(imds, _saved_state(config.state.dir))
-        approver = Approver(config.approval, imds, lambda: vm, audit, config.state.dir, threading.Event())
-        attempt = approver.approve(args.event_ids, actor="cli", approver=user, reason=args.reason, scope=args.scope)
+                    f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)", first=2.0), _imds_turn(config.state.dir):
+        imds = _cli_imds(config.imds)
+        try:
+            saved = _saved_state(config.state.dir)
+            known = VmIdentity.from_dict(saved.vm) if saved.vm else None
+            vm = known if known is not None and known.known else resolve_identity(imds, saved)
+            approver = Approver(config.approval, imds, lambda: vm, audit, config.state.dir, threading.Event())
+            attempt = approver.approve(args.event_ids, actor="cli", approver=user, reason=args.reason,
+                                       scope=args.scope)
+        finally:
+            imds.close()
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(attempt.answer()) + b"\n")
     else:
@@ -401,6 +413,62 @@ def cmd_approve(args: argparse.Namespace) -> int:
 def _say(line: str) -> None:
     """A progress line for a person, on stderr (stdout carries results only)."""
     print(line, file=sys.stderr, flush=True)
+
+
+def _cli_imds(cfg: ImdsConfig) -> ImdsClient:
+    """An IMDS client for a one-shot command beside the agent: the 1 request per window it leaves."""
+    from forwarder.imds.client import CLI_REQUEST_BUDGET, ImdsClient, RequestBudget
+
+    return ImdsClient.from_config(cfg, budget=RequestBudget(CLI_REQUEST_BUDGET))
+
+
+@contextlib.contextmanager
+def _imds_turn(state_dir: Path) -> Iterator[None]:
+    """One-shot commands calling IMDS (`approve`, `once`) take turns: their budget is one for all.
+
+    An exclusive flock on a file in the state dir, held while the command talks to IMDS (all its
+    requests have deadlines, so a wait is bounded). The file holds when the last holder finished;
+    the next one starts a budget window after it, so two commands' requests never share a window.
+    Without flock (Windows), or without a file the command may open, it goes ahead alone.
+    """
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    path = state_dir / IMDS_TURN_LOCK
+    fd = -1
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # (a reader of a state dir it cannot write)
+        try:
+            fd = os.open(path, flags, 0o640)
+            break
+        except OSError:
+            continue
+    if fd < 0:
+        log.debug("no IMDS turn lock at %s; going ahead alone", path)
+        yield
+        return
+    from forwarder.imds.client import BUDGET_WINDOW
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            last = float(os.pread(fd, 32, 0) or b"0")
+        except (OSError, ValueError):
+            last = 0.0
+        pause = min(BUDGET_WINDOW, last + BUDGET_WINDOW - time.time())
+        if pause > 0:
+            time.sleep(pause)  # rate pacing: the previous command's last request is still in its window
+        try:
+            yield
+        finally:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, repr(time.time()).encode(), 0)
+            except OSError:
+                pass  # a read-only file: the next command may start within this window
+    finally:
+        os.close(fd)
 
 
 def _saved_state(state_dir: Path) -> SavedState:

@@ -54,8 +54,8 @@ KEY_DOCS: dict[str, dict[str, tuple[str, Any]]] = {
                         "2019-08-01 2020-07-01. Newer versions add fields (Description, EventSource, "
                         "DurationInSeconds).", None),
         "poll_interval": ("How often to poll. Events give as little as 30 s notice (Preempt), so keep it short; "
-                          "IMDS allows 5 requests per second; the agent keeps all its requests to 4 per second, "
-                          "and approvals, instance metadata and tokens need room beside the polls, hence the "
+                          "IMDS allows 5 requests per second; the agent keeps all its requests to 4 in any 1.1 s (the "
+                          "fifth is for `sefwd approve` / `sefwd once`), and approvals and instance metadata need room beside the polls, hence the "
                           "500ms floor (at most 1h). See docs/imds-transport.md.", None),
         "timeout": ("Deadline of one request: connect, send and the whole answer (a server that drips its "
                     "answer byte by byte is cut off here).", None),

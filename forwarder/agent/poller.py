@@ -16,7 +16,7 @@ from forwarder.imds.differ import Change, diff
 from forwarder.imds.document import Document, parse_document
 from forwarder.store.outbox import Outbox
 from forwarder.errors import DocumentError, ForwarderError, ImdsError
-from forwarder.imds.evidence import evidence_from_dict, evidence_to_dict, read_boot_id
+from forwarder.imds.evidence import evidence_from_dict, evidence_to_dict, read_boot_id, read_boot_time
 from forwarder.imds.identity import VmIdentity
 from forwarder.imds.client import RETRY_AFTER_CAP, ImdsClient
 from forwarder.common.logs import RateLimitedLog
@@ -66,6 +66,7 @@ class Poller:
         monotonic: Callable[[], float] = time.monotonic,
         wallclock: Callable[[], datetime] = utcnow,
         boot_id: Callable[[], str | None] = read_boot_id,
+        boot_time: Callable[[], float | None] = read_boot_time,
     ) -> None:
         self.imds = imds
         self.state = state
@@ -86,10 +87,10 @@ class Poller:
         self.stats = PollStats()
         self.started_mono = monotonic()
         # Evidence for completed/canceled decisions (forwarder.imds.outcome), kept in the state.
-        self.evidence = evidence_from_dict(state.evidence, boot_id())
+        self.evidence = evidence_from_dict(state.evidence, boot_id(), boot_time())
         if state.document is None:
-            self.evidence.document_committed()  # fresh install: nothing was seen at another boot
-        self._waited_since_ok = poll_interval
+            # Fresh install: nothing was seen at another boot.
+            self.evidence.document_committed(wallclock().timestamp())
         self.current: Document | None = None
         self._last_body: bytes | None = state.document.encode() if state.document is not None else None
         if state.document is not None:
@@ -108,7 +109,7 @@ class Poller:
     # -- one cycle -------------------------------------------------------------------------
     def poll_once(self) -> float:
         """One poll; returns how long to wait before the next one."""
-        # Both clocks read before the request, so a slow answer is not taken for a pause.
+        # Both clocks read before the request: pause evidence compares them from poll to poll.
         started_mono, started_wall = self._mono(), self._wall()
         try:
             fetch = self.imds.scheduled_events()
@@ -123,12 +124,15 @@ class Poller:
             except Exception as exc:  # noqa: BLE001 - advisory; the poll goes on
                 log.warning("after the first IMDS answer: %s", exc)
         # A gap between two good polls longer than the waits in between (plus 1 s) is a pause.
-        self.evidence.observe_poll(started_mono, started_wall, self._waited_since_ok + 1.0)
-        self._waited_since_ok = 0.0
+        self.evidence.observe_poll(started_mono, started_wall)
         self._errors.clear("imds")
         body = fetch.body
         if body is None or body == self._last_body:  # 304, or byte-identical: the cheap common path
             self.stats.unchanged += 1
+            if not self.evidence.seen_in_process and self._last_body is not None:
+                self.evidence.document_seen(started_wall.timestamp())
+                # Once per process: the saved document was seen by this process, at this boot.
+                self._emit(lambda: [])
             self._notify()
             return self.poll_interval
         try:
@@ -219,16 +223,16 @@ class Poller:
         if body is not None:
             self._last_body = body
             self.current = document
-            self.evidence.document_committed()
+            self.evidence.document_committed(self._wall().timestamp())
         return True
 
     def _evidence_after(self, document: Document | None) -> dict[str, Any]:
         """The evidence to save with this commit: a new document is seen at this boot."""
         saved = evidence_to_dict(self.evidence)
         if document is not None:
-            saved["seen_boot_id"] = self.evidence.boot_id
+            saved.update(seen_boot_id=self.evidence.boot_id, seen_boot_time=self.evidence.boot_time,
+                         seen_at=self._wall().timestamp())
         return saved
-        return True
 
     def _failed(self, exc: ImdsError) -> float:
         self.stats.imds_errors += 1
@@ -288,12 +292,19 @@ class Poller:
             except Exception as exc:  # noqa: BLE001 - the watch must go on (see _cycle_failed)
                 failed_cycles += 1
                 wait = self._cycle_failed(exc, failed_cycles)
-            self._waited_since_ok += wait  # (pause evidence: time we chose to wait is no pause)
             now = self._mono()
             # Fixed rate, not fixed delay: a slow poll does not push every later poll back.
             next_poll = max(next_poll + wait, now) if wait == self.poll_interval else now + wait
-            if self.stop.wait(max(0.0, next_poll - self._mono())):
+            if self._sleep(max(0.0, next_poll - self._mono())):
                 break
+
+    def _sleep(self, seconds: float) -> bool:
+        """Wait between cycles; True if stopped. A sleep that lasted longer than asked is pause evidence."""
+        before = self._mono()
+        if self.stop.wait(seconds):
+            return True
+        self.evidence.observe_sleep(seconds, self._mono() - before)
+        return False
 
     def _cycle(self) -> float:
         """One turn: audits, one poll, heartbeat and identity refresh when due; returns the wait."""

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from forwarder.agent.config import ImdsConfig
 
 __all__ = [
-    "Fetch", "ImdsClient", "RequestBudget", "MAX_BODY", "RETRY_AFTER_CAP", "REQUEST_BUDGET",
+    "Fetch", "ImdsClient", "RequestBudget", "MAX_BODY", "RETRY_AFTER_CAP", "REQUEST_BUDGET", "CLI_REQUEST_BUDGET",
     "check_max_body", "validate_endpoint",
 ]
 
@@ -64,13 +64,18 @@ MAX_INTERIM = 8  # 1xx answers before the real one; more is a broken or hostile 
 # longer one is bogus, and obeying it would blind the agent (Spot eviction gives 30 s of notice).
 # Worst case a throttled poll waits 5 s, then may take its 5 s deadline: 20 of the 30 s remain.
 RETRY_AFTER_CAP = 5.0
-# IMDS allows 5 requests/s per VM. The agent allows itself 4 in any 1 s window, all requests
-# together (polls, StartRequests, compute), leaving 1/s for `sefwd approve` and other IMDS users
-# on the VM; the config floor of 500 ms between polls keeps polls to 2 of those 4, so approvals
-# and metadata always find room.
+# IMDS allows 5 requests/s per VM (managed-identity tokens have their own 20/s, 5 concurrent). The
+# agent allows itself 4 per window, all requests together (polls, StartRequests, compute), leaving
+# 1 for `sefwd approve` / `sefwd once` (CLI_REQUEST_BUDGET); the config floor of 500 ms between
+# polls keeps polls to 2 of those 4, so approvals and metadata always find room. The window is
+# IMDS's second plus a guard: requests reach IMDS with latencies that differ by milliseconds (tens
+# on a loaded VM), so 4 sent exactly 1 s apart could land inside one of IMDS's seconds.
 IMDS_RATE_LIMIT = 5
 REQUEST_BUDGET = 4
-BUDGET_WINDOW = 1.0
+CLI_REQUEST_BUDGET = IMDS_RATE_LIMIT - REQUEST_BUDGET
+BUDGET_GUARD = 0.1
+BUDGET_WINDOW = 1.0 + BUDGET_GUARD
+_CONTROL = frozenset(chr(c) for c in (*range(0x21), 0x7F))  # control characters and spaces
 
 
 @dataclass(frozen=True)
@@ -161,7 +166,7 @@ class RequestBudget:
             with self._lock:
                 now = self._clock()
                 sent = self._sent
-                while sent and now - sent[0] >= self.window:
+                while sent and now - sent[0] >= self.window - 1e-9:  # (float rounding: 101.1 - 100.0 < 1.1)
                     sent.popleft()
                 if len(sent) < self.limit:
                     sent.append(now)
@@ -222,11 +227,16 @@ class ImdsClient:
 
     @classmethod
     def from_config(cls, cfg: ImdsConfig, *, stop: threading.Event | None = None,
-                    backoff: Backoff = Backoff(initial=0.5, maximum=5.0)) -> ImdsClient:
-        """The one way the agent and its commands build a client from ``[imds]``."""
+                    backoff: Backoff = Backoff(initial=0.5, maximum=5.0),
+                    budget: RequestBudget | None = None) -> ImdsClient:
+        """The one way the agent and its commands build a client from ``[imds]``.
+
+        ``budget``: None for the agent (the process-wide 4 per window); one-shot commands that run
+        beside it pass ``RequestBudget(CLI_REQUEST_BUDGET)``, the 1 request per window it leaves.
+        """
         return cls(cfg.endpoint, cfg.api_version, timeout=cfg.timeout, first_call_timeout=cfg.first_call_timeout,
                    compute_api_version=cfg.compute_api_version, max_body=getattr(cfg, "max_body", MAX_BODY),
-                   backoff=backoff, stop=stop)
+                   backoff=backoff, stop=stop, budget=budget)
 
     # -- Scheduled Events poll -----------------------------------------------------------------
     def scheduled_events(self) -> Fetch:

@@ -35,7 +35,8 @@ NO_REBOOT = "no_reboot"
 REBOOT_TYPES = frozenset({"Reboot", "Redeploy", "Preempt", "Terminate"})
 # "Gone long before NotBefore": this much earlier, so clock skew cannot turn a run into a cancel.
 CANCEL_MARGIN = 60.0
-# A stall of the agent this long (wall clock ahead of the monotonic clock, or polls late) is a pause.
+# A stall of the agent this long (wall clock ahead of the monotonic clock, or a sleep between polls
+# that lasted this much longer than asked) is a pause.
 PAUSE_MIN = 1.0
 
 
@@ -45,7 +46,8 @@ class EvidenceContext:
 
     now: datetime
     approvals: Mapping[str, datetime] = field(default_factory=dict)  # lower-case EventId -> accepted at
-    rebooted: bool | None = False  # boot id changed since the events were last seen; None: cannot tell
+    rebooted: bool | None = False  # the machine booted since the events were last seen; None: cannot tell
+    rebooted_by: str | None = None  # what tells: "process", "boot_id", "boot_time" (forwarder.imds.evidence)
     pause_seconds: float = 0.0  # longest stall of the agent since the last document change
     vm_names: frozenset[str] = frozenset()  # this VM's names (lower case); empty: unknown
 
@@ -89,6 +91,7 @@ def decide(event: Event, context: EvidenceContext, unseen_states: int | None) ->
         "UnseenStates": unseen_states,
         "ApprovedAt": _iso(approved_at),
         "Rebooted": context.rebooted,
+        "RebootedBy": context.rebooted_by,
         "PauseSeconds": round(context.pause_seconds, 3),
         "SecondsBeforeNotBefore": round(ahead, 3) if ahead is not None else None,
     }

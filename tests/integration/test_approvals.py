@@ -121,7 +121,9 @@ def test_cli_approve_is_audited_through_the_agent(tmp_path, agent_running):
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         config = agent_config(tmp_path, emu, approval="")
         out = tmp_path / "out.jsonl"
-        event_id = emu.schedule(type="Redeploy", resources=["myVM"], start_after=600)
+        # It runs for a minute once approved: `sefwd approve` paces its requests to the IMDS budget
+        # (docs/imds-transport.md), so the second command comes seconds after the first one's POST.
+        event_id = emu.schedule(type="Redeploy", resources=["myVM"], start_after=600, complete_after=60)
         agent = AgentProcess(config, tmp_path / "a1.log") if agent_running else None
         if agent:
             wait_until(lambda: any(r.get("subject") == event_id for r in read_jsonl(out)), 60, "scheduled record")

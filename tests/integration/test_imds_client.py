@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from forwarder.errors import ConfigError, ImdsError
-from forwarder.imds.client import Fetch, ImdsClient, RequestBudget, validate_endpoint
+from forwarder.imds.client import BUDGET_WINDOW, Fetch, ImdsClient, RequestBudget, validate_endpoint
 from forwarder.common.retry import Backoff
 from tests.peers.http_peer import HttpPeer, Response
 
@@ -697,7 +697,7 @@ def test_request_budget_allows_four_in_any_second() -> None:
         assert budget.acquire(stop)  # type: ignore[arg-type]
     assert waits == []
     assert budget.acquire(stop)  # type: ignore[arg-type]
-    assert waits == [pytest.approx(1.0)] and budget.waited == 1
+    assert waits == [pytest.approx(BUDGET_WINDOW)] and budget.waited == 1
     stopped = threading.Event()
     stopped.set()
     for _ in range(3):

@@ -1,92 +1,65 @@
-#!/usr/bin/python
-# The "Python Sample" of the current seed (Scheduled Events for Windows VMs, api-version
-# 2020-07-01), ported to Python 3. Only two things differ from the published sample:
-#   - metadata_url comes from argv[1] or $SEED_SAMPLE_METADATA_URL (default: the real IMDS URL);
-#   - the interactive input loop in main() is replaced by a bounded number of advanced_sample
-#     calls (argv[2] or $SEED_SAMPLE_CALLS, default 2).
-# Everything else (polling, approval rules, printing) is the seed's code as published.
-import json
-import os
+"""Microsoft's published Python sample (Scheduled Events for Windows VMs, api-version 2020-07-01).
+
+The code is never copied or ported here: it is taken verbatim from the seed document
+(``/work/shared/seeds/scheduled-events-windows-2020-07-01-current.txt``, the "Python Sample"
+section) or, where the seeds are not at hand, from ``tests/fixtures/seed-python-sample.txt``
+(the same bytes, checked against the seed by ``tests/integration/test_seed_sample.py``). Only the
+URL literal is replaced.
+
+The sample is already Python 3 (``input()``, ``requests``): nothing else needs to change. Its
+``main()`` is interactive ("Press 1 to poll for new events, 2 to exit"), so the way to drive it
+is its standard input: one "1" line per document to process, then "2".
+
+As a program: ``python tests/peers/seed_sample.py URL [CALLS]`` runs the published code with
+``URL`` as its metadata_url and "1" typed CALLS times (default 2), then "2".
+"""
+from __future__ import annotations
+
+import io
 import sys
+from pathlib import Path
 
-import requests
-from time import sleep
+SEED = Path(__file__).resolve().parents[3] / "shared" / "seeds" / "scheduled-events-windows-2020-07-01-current.txt"
+VENDORED = Path(__file__).resolve().parents[1] / "fixtures" / "seed-python-sample.txt"
+PUBLISHED_URL = "http://169.254.169.254/metadata/scheduledevents"
 
-# The URL to access the metadata service
-metadata_url = (sys.argv[1] if len(sys.argv) > 1 else
-                os.environ.get("SEED_SAMPLE_METADATA_URL", "http://169.254.169.254/metadata/scheduledevents"))
-# This must be sent otherwise the request will be ignored
-header = {'Metadata' : 'true'}
-# Current version of the API
-query_params = {'api-version':'2020-07-01'}
 
-def get_scheduled_events():           
-    resp = requests.get(metadata_url, headers = header, params = query_params)
-    data = resp.json()
-    return data
+def extract(document: str) -> str:
+    """The first "Python Sample" code of the seed document, verbatim (shebang to ``main()``)."""
+    lines = document.splitlines(keepends=True)
+    heading = next(i for i, line in enumerate(lines) if line.strip() == "Python Sample")
+    first = next(i for i in range(heading, len(lines)) if lines[i].startswith("#!/usr/bin/python"))
+    last = next(i for i in range(first + 1, len(lines))
+                if lines[i].rstrip() == "    main()" and lines[i - 1].startswith("if __name__ == '__main__':"))
+    return "".join(lines[first:last + 1])
 
-def confirm_scheduled_event(event_id):  
-    # This payload confirms a single event with id event_id
-    # You can confirm multiple events in a single request if needed      
-    payload = json.dumps({"StartRequests": [{"EventId": event_id }]})
-    response = requests.post(metadata_url, 
-                            headers= header,
-                            params = query_params, 
-                            data = payload)    
-    return response.status_code
 
-def log(event): 
-    # This is an optional placeholder for logging events to your system 
-    print(event["Description"])
-    return
+def published() -> str:
+    """The sample as published: from the seed when present, else the vendored copy of it."""
+    if SEED.is_file():
+        return extract(SEED.read_text(encoding="utf-8"))
+    return VENDORED.read_text(encoding="utf-8")
 
-def advanced_sample(last_document_incarnation): 
-    # Poll every second to see if there are new scheduled events to process
-    # Since some events may have necessarily short warning periods, it is 
-    # recommended to poll frequently
-    found_document_incarnation = last_document_incarnation
-    while (last_document_incarnation == found_document_incarnation):
-        sleep(1)
-        payload = get_scheduled_events()    
-        found_document_incarnation = payload["DocumentIncarnation"]        
-        
-    # We recommend processing all events in a document together, 
-    # even if you won't be actioning on them right away
-    for event in payload["Events"]:
 
-        # Events that have already started, logged for tracking
-        if (event["EventStatus"] == "Started"):
-            log(event)
-            
-        # Approve all user initiated events. These are typically created by an 
-        # administrator and approving them immediately can help to avoid delays 
-        # in admin actions
-        elif (event["EventSource"] == "User"):
-            confirm_scheduled_event(event["EventId"])            
-            
-        # For this application, freeze events less that 9 seconds are considered
-        # no impact. This will immediately approve them
-        elif (event["EventType"] == "Freeze" and 
-            int(event["DurationInSeconds"]) >= 0  and 
-            int(event["DurationInSeconds"]) < 9):
-            confirm_scheduled_event(event["EventId"])
-            
-        # Events that may be impactful (for example reboot or redeploy) may need custom 
-        # handling for your application
-        else: 
-            #TODO Custom handling for impactful events
-            log(event)
-    print("Processed events from document: " + str(found_document_incarnation))
-    return found_document_incarnation
+def with_url(code: str, metadata_url: str) -> str:
+    """The one change: the URL literal (it occurs exactly once)."""
+    if code.count(f'"{PUBLISHED_URL}"') != 1:
+        raise ValueError("the published sample no longer has exactly one metadata_url literal")
+    return code.replace(f'"{PUBLISHED_URL}"', repr(metadata_url).replace("'", '"'))
 
-def main():
-    # This will track the last set of events seen 
-    last_document_incarnation = "-1"
 
-    calls = int(sys.argv[2] if len(sys.argv) > 2 else os.environ.get("SEED_SAMPLE_CALLS", "2"))
-    for _ in range(calls):
-        last_document_incarnation = advanced_sample(last_document_incarnation)
-        sys.stdout.flush()
+def keystrokes(calls: int) -> str:
+    """What a user types into the sample's prompt: poll ``calls`` times, then exit."""
+    return "1\n" * calls + "2\n"
 
-if __name__ == '__main__':
-    main()
+
+def main(argv: list[str]) -> None:
+    url = argv[1] if len(argv) > 1 else PUBLISHED_URL
+    calls = int(argv[2]) if len(argv) > 2 else 2
+    code = with_url(published(), url)
+    sys.stdin = io.StringIO(keystrokes(calls))
+    exec(compile(code, "seed-python-sample", "exec"), {"__name__": "__main__"})  # noqa: S102 - the published sample
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,6 +1,8 @@
 """completed / canceled / unknown from evidence, over the documented sequences (issue 13)."""
 from __future__ import annotations
 
+import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -10,7 +12,10 @@ from hypothesis import strategies as st
 
 from forwarder.imds.differ import CANCELED, COMPLETED, GONE, diff
 from forwarder.imds.document import Document, parse_document
-from forwarder.imds.evidence import EvidenceTracker, evidence_from_dict, evidence_to_dict, read_boot_id
+from forwarder.imds.evidence import (
+    BY_BOOT_TIME, BY_PROCESS, EvidenceTracker, evidence_from_dict, evidence_to_dict, read_boot_id, read_boot_time,
+    rebooted_by_boot_time,
+)
 from forwarder.imds.outcome import (
     APPROVAL_ACCEPTED, CANCEL_MARGIN, GONE_BEFORE_NOT_BEFORE, INCARNATION_JUMP, NO_APPROVAL, NO_REBOOT,
     NO_UNSEEN_STATES, OUTCOMES, PAUSED, REBOOTED, SEEN_STARTED, UNKNOWN, EvidenceContext, fold, terminal_key,
@@ -147,23 +152,81 @@ def test_an_approval_recorded_by_sefwd_approve_survives_a_restart() -> None:
 def test_tracker_pause_boot_id_and_bad_saved_evidence(tmp_path: Path) -> None:
     t0 = datetime(2021, 7, 22, 4, 36, 0, tzinfo=timezone.utc)
     tracker = EvidenceTracker("b", "b")
-    tracker.observe_poll(100.0, t0, 2.0)
-    tracker.observe_poll(101.0, t0 + timedelta(seconds=1), 2.0)
-    assert tracker.pause_seconds == 0.0
-    tracker.observe_poll(102.0, t0 + timedelta(seconds=6), 2.0)  # wall clock ran 5 s, monotonic 1 s
+    tracker.observe_poll(100.0, t0)
+    tracker.observe_sleep(1.0, 1.02)  # woke up 20 ms late: scheduling noise
+    tracker.observe_poll(101.0, t0 + timedelta(seconds=1))
+    assert tracker.pause_seconds < 0.1
+    tracker.observe_poll(102.0, t0 + timedelta(seconds=6))  # wall clock ran 5 s, monotonic 1 s
     assert tracker.pause_seconds == 4.0
-    tracker.observe_poll(110.0, t0 + timedelta(seconds=14), 2.0)  # a poll 8 s late on both clocks
+    tracker.observe_sleep(1.0, 7.0)  # asked for 1 s, slept 7 s on the monotonic clock
+    tracker.observe_poll(110.0, t0 + timedelta(seconds=14))
     assert tracker.pause_seconds == 6.0
     tracker.document_committed()
     assert tracker.pause_seconds == 0.0
     for bad in (None, [], {"format": 99}, "x"):
         assert evidence_from_dict(bad, "b").rebooted is None  # unknown: never a cancel
-    junk = evidence_from_dict({"format": 1, "seen_boot_id": 7, "approvals": {"x": "not a time", "y": 3}}, "b")
-    assert junk.approvals == {} and junk.rebooted is None
+    junk = evidence_from_dict({"format": 1, "seen_boot_id": 7, "approvals": {"x": "not a time", "y": 3},
+                               "seen_boot_time": "1", "seen_at": True}, "b", 1000.0)
+    assert junk.approvals == {} and junk.rebooted is None and junk.seen_boot_time is None and junk.seen_at is None
     path = tmp_path / "boot_id"
     path.write_text("0b9c6d2e-6f5c-4b8e-9a55-5a0a3f7a1e21\n")
     assert read_boot_id(path) == "0b9c6d2e-6f5c-4b8e-9a55-5a0a3f7a1e21"
     assert read_boot_id(tmp_path / "missing") is None
+
+
+def test_slow_work_between_polls_is_no_pause() -> None:
+    """A 4 s IMDS answer, then a 3 s identity refresh and a heartbeat commit: both clocks ran, nothing overslept."""
+    t0 = datetime(2021, 7, 22, 4, 36, 0, tzinfo=timezone.utc)
+    tracker = EvidenceTracker(None, None)
+    tracker.observe_poll(100.0, t0)
+    tracker.observe_sleep(1.0, 1.0)
+    tracker.observe_poll(101.0, t0 + timedelta(seconds=1))  # this request takes 4 s, then 3 s of work
+    tracker.observe_sleep(0.0, 0.001)  # the fixed-rate loop is behind: it does not sleep at all
+    tracker.observe_poll(108.0, t0 + timedelta(seconds=8))
+    assert tracker.pause_seconds < 0.01
+
+
+def test_a_document_this_process_saw_means_no_reboot_without_boot_id_or_boot_time() -> None:
+    tracker = evidence_from_dict({"format": 1, "seen_boot_id": None, "approvals": {}}, None, None)
+    assert tracker.rebooted is None and tracker.rebooted_by is None
+    assert tracker.document_seen(1000.0) is True and tracker.document_seen(1001.0) is False
+    assert tracker.rebooted is False and tracker.rebooted_by == BY_PROCESS
+    change = ended(doc(2, ev()), doc(3), tracker.context(GONE_AT, ["flatcar-vm1"]))
+    assert change.kind == CANCELED and change.outcome.facts["RebootedBy"] == "process"
+
+
+def test_boot_time_tells_a_reboot_where_there_is_no_boot_id(tmp_path: Path) -> None:
+    booted, seen = 1_700_000_000.0, 1_700_003_600.0  # the document was seen an hour after boot
+    saved = {"format": 1, "seen_boot_id": None, "seen_boot_time": booted, "seen_at": seen, "approvals": {}}
+    same = evidence_from_dict(saved, None, booted + 1.0)  # /proc/stat btime read again, 1 s of rounding
+    assert (same.rebooted, same.rebooted_by) == (False, BY_BOOT_TIME)
+    again = evidence_from_dict(saved, None, seen + 120.0)  # booted two minutes after the sighting
+    assert (again.rebooted, again.rebooted_by) == (True, BY_BOOT_TIME)
+    change = ended(doc(2, ev()), doc(3), again.context(GONE_AT, ["flatcar-vm1"]))
+    assert change.kind == COMPLETED and change.outcome.used == (REBOOTED,)
+    assert change.outcome.facts["RebootedBy"] == "boot_time"
+    stepped = evidence_from_dict(saved, None, booted - 600.0)  # the wall clock was stepped back: no telling
+    assert stepped.rebooted is None
+    assert rebooted_by_boot_time(seen - 30.0, booted, seen) is None  # moved, but not past the sighting
+    assert rebooted_by_boot_time(None, booted, seen) is None
+    # A boot id, when there is one, decides before the boot time.
+    assert evidence_from_dict({**saved, "seen_boot_id": "a"}, "a", seen + 120.0).rebooted is False
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  1 2 3\nintr 5\nbtime 1700000000\nprocesses 9\n")
+    assert read_boot_time(stat) == 1_700_000_000.0
+    assert read_boot_time(tmp_path / "missing") is None or sys.platform == "win32"
+    if Path("/proc/stat").is_file():
+        assert read_boot_time() is not None and read_boot_time() <= time.time()  # type: ignore[operator]
+
+
+def test_saved_evidence_keeps_the_boot_of_the_last_sighting() -> None:
+    tracker = evidence_from_dict({"format": 1, "seen_boot_id": "boot-a", "seen_boot_time": 10.0, "seen_at": 50.0,
+                                  "approvals": {}}, "boot-b", 500.0)
+    assert tracker.rebooted is True
+    tracker.document_seen(900.0)  # this process, at boot-b, saw the same document again
+    saved = evidence_to_dict(tracker)
+    assert (saved["seen_boot_id"], saved["seen_boot_time"], saved["seen_at"]) == ("boot-b", 500.0, 900.0)
+    assert evidence_from_dict(saved, "boot-b", 500.0).rebooted is False  # a later restart, no reboot
 
 
 def test_terminal_key_is_the_same_whatever_the_outcome() -> None:
