@@ -11,7 +11,7 @@ from forwarder.emulator.scenario import builtin_scenarios
 from forwarder.sinkapi import Record
 from forwarder.store.database import Store
 from tests.agent import ROOT
-from tests.peers.webhook_receiver import WebhookReceiver
+from benchmarks.peers.webhook_receiver import WebhookReceiver
 
 
 def sefwd(*args: str) -> subprocess.CompletedProcess[str]:
