@@ -219,7 +219,7 @@ def cmd_once(args: argparse.Namespace) -> int:
     _setup_logging(args, config.agent.log_level)
     imds = _cli_imds(config.imds)
     notice = WaitNotice(_say, f"once: waiting for IMDS at {config.imds.endpoint} (the first answer can take up "
-                        f"to {config.imds.first_call_timeout:g} s; Ctrl-C gives up)", first=2.0)
+                        f"to {config.imds.first_call_timeout:g} s; Ctrl-C gives up)", first=5.0)
     with notice, _imds_turn(config.state.dir):  # beside other one-shot commands (docs/imds-transport.md)
         try:
             fetch = imds.scheduled_events()
@@ -383,9 +383,10 @@ def cmd_approve(args: argparse.Namespace) -> int:
     # IMDS request budget (docs/imds-transport.md): one request per window, the one the agent leaves
     # free, and one `sefwd approve` at a time. The agent's saved identity spares the compute GET.
     config.state.dir.mkdir(parents=True, exist_ok=True)
-    # IMDS may be slow or unreachable (each call retries for up to 90 s): say so after 2 s, not nothing.
+    # IMDS may be slow or unreachable (each call retries for up to 90 s): say so after 5 s, not nothing
+    # (the request budget alone spaces its two or three requests over up to about 3 s).
     with WaitNotice(_say, f"approve: waiting for IMDS at {config.imds.endpoint} (retrying for up to "
-                    f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)", first=2.0), _imds_turn(config.state.dir):
+                    f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)", first=5.0), _imds_turn(config.state.dir):
         imds = _cli_imds(config.imds)
         try:
             saved = _saved_state(config.state.dir)

@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from forwarder.delivery.dispatcher import Dispatcher
+from forwarder.store.outbox import StoreOutbox
 from forwarder.emulator import Emulator
 from forwarder.errors import StateError
 from forwarder.imds.identity import VmIdentity
@@ -137,7 +137,7 @@ def test_the_data_lost_record_waits_while_the_store_refuses_commits_and_goes_out
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         imds = ImdsClient(emu.url, "2020-07-01")
         poller = Poller(imds, store.load_state(), RecordFactory(VmIdentity.fallback(), "2020-07-01"),
-                        Dispatcher(store, {}), poll_interval=0.2, heartbeat=0, compute_refresh=0, stop=stop)
+                        StoreOutbox(store), poll_interval=0.2, heartbeat=0, compute_refresh=0, stop=stop)
         other = sqlite3.connect(state / "state.db", isolation_level=None)  # e.g. a `sefwd` command
         other.execute("BEGIN IMMEDIATE")
         thread = threading.Thread(target=poller.run)
