@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -126,3 +127,10 @@ def dead_letters(config: Path, sink: str, env: dict[str, str] | None = None) -> 
     out = subprocess.run([sys.executable, "-m", "forwarder", "deadletter", "list", sink, "--json", "--config", str(config)],
                          capture_output=True, env=full_env, cwd=str(ROOT), timeout=60, check=True)
     return [orjson.loads(line) for line in out.stdout.splitlines() if line.strip()]
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: connections to it are refused."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

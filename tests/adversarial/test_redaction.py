@@ -3,7 +3,6 @@ carrying ``?code=SECRET`` (one receiver redirects to a Location with user:passwo
 not one byte of a secret reaches its log, its state dir or ``sefwd status``."""
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,17 +12,12 @@ import pytest
 from forwarder.emulator import Emulator
 from forwarder.common.logs import redact
 from tests.adversarial.hostile import HostileServer, Reply, Request
-from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
+from tests.agent import AgentProcess, ROOT, closed_port, read_jsonl, wait_until, write_config
 
 pytestmark = pytest.mark.timeout(180)
 
 SECRET = "S3CRETcode"
 
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def files_containing(folder: Path, needle: bytes) -> list[Path]:

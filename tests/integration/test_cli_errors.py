@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent import ROOT, wait_until
+from tests.agent import ROOT, closed_port, wait_until
 
 EXIT_FAILURE, EXIT_CONFIG, EXIT_INTERRUPTED = 1, 2, 130
 NOBODY = 65534
@@ -38,14 +37,6 @@ def one_clear_line(stderr: str) -> str:
     assert lines[0].startswith("sefwd: "), stderr
     return lines[0]
 
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, never listening: connections are refused)."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture

@@ -2,23 +2,16 @@
 from __future__ import annotations
 
 import logging
-import socket
 
 from forwarder.common.logs import RateLimitedLog
 from forwarder.sinkapi import Record, Retry, SinkContext
 from sinks.webhook import WebhookSink
+from tests.agent import closed_port
 
-
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def test_repeated_connection_errors_are_one_short_line(tmp_path, caplog):
-    port = _closed_port()
+    port = closed_port()
     sink = WebhookSink({"url": f"http://127.0.0.1:{port}/hook?code=secret"},
                        SinkContext(name="x", state_dir=tmp_path))
     record = Record.from_dict({"specversion": "1.0", "id": "r1", "type": "t", "source": "/s", "data": {}})

@@ -17,18 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent import ROOT
+from tests.agent import ROOT, closed_port
 
 CTRL_C = b"\x03"
 BIN = Path(sys.executable).parent
 
-
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 class Terminal:
@@ -131,7 +124,7 @@ def test_busy_port_is_one_line(terminal):
 
 
 def test_unreachable_imds_says_what_it_waits_for_and_ctrl_c_stops_it(terminal, tmp_path):
-    port = _closed_port()
+    port = closed_port()
     config = tmp_path / "c.toml"
     config.write_text(f'[imds]\nendpoint = "http://127.0.0.1:{port}"\n[state]\ndir = "{tmp_path / "state"}"\n')
     t = terminal("run", "--config", str(config))
