@@ -75,7 +75,6 @@ REQUEST_BUDGET = 4
 CLI_REQUEST_BUDGET = IMDS_RATE_LIMIT - REQUEST_BUDGET
 BUDGET_GUARD = 0.1
 BUDGET_WINDOW = 1.0 + BUDGET_GUARD
-_CONTROL = frozenset(chr(c) for c in (*range(0x21), 0x7F))  # control characters and spaces
 
 
 @dataclass(frozen=True)
