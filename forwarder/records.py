@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from forwarder import __version__
+from forwarder.common.record_auth import sign_record
 from forwarder.imds.differ import TERMINAL_KINDS, UPDATED, Change
 from forwarder.imds.document import Document, Event
 from forwarder.imds.identity import VmIdentity
@@ -85,8 +86,11 @@ class RecordFactory:
         api_version: str,
         sequence: int = 0,
         clock: Callable[[], datetime] = utcnow,
+        key: bytes | None = None,
     ) -> None:
         self.vm = vm
+        # This VM's record key (forwarder.common.fleet_keys): every record gets its sefwdauth.
+        self.key = key
         self.api_version = api_version
         self.sequence = sequence  # the last number handed out
         self._clock = clock
@@ -107,6 +111,11 @@ class RecordFactory:
             "sequence": self._next_sequence(),
             "data": data,
         }
+
+    def _record(self, envelope: dict[str, Any]) -> Record:
+        if self.key is not None:
+            sign_record(self.key, envelope)
+        return Record.from_dict(envelope)
 
     def for_changes(self, changes: Sequence[Change], document: Document) -> list[Record]:
         """One record per change, all stamped with the same observation time."""
@@ -140,7 +149,7 @@ class RecordFactory:
                 data.update(change.outcome.to_data())
             envelope = self._envelope(rid, EVENT_TYPE_PREFIX + change.kind, event.event_id, data, when)
             envelope["eventkey"] = event_key(change)
-            out.append(Record.from_dict(envelope))
+            out.append(self._record(envelope))
         return out
 
     def preview(self, change: Change, document: Document) -> Record:
@@ -158,7 +167,7 @@ class RecordFactory:
         payload["Vm"] = self.vm.record_data()
         subject = entry.get("EventId") or "approval"
         envelope = self._envelope(str(uuid.uuid4()), f"approval.{entry['Outcome']}", str(subject), payload, self._clock())
-        return Record.from_dict(envelope)
+        return self._record(envelope)
 
     def lifecycle(self, kind: str, data: Mapping[str, Any]) -> Record:
         """``forwarder.started|heartbeat|stopped``: ids are random, these are never re-derived."""
@@ -168,4 +177,4 @@ class RecordFactory:
         payload = {"Version": __version__, "ApiVersion": self.api_version, "Vm": self.vm.record_data()}
         payload.update(data)
         envelope = self._envelope(str(uuid.uuid4()), rtype, "forwarder", payload, self._clock())
-        return Record.from_dict(envelope)
+        return self._record(envelope)

@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     from forwarder.emulator.cli import register as register_emulator
 
     register_emulator(sub)
+    from forwarder.agent.keys_cli import register as register_keys
+
+    register_keys(sub)
 
     p = _command(sub, "approve", "approve events now (POST StartRequests to IMDS), audited",
                  "Ask IMDS to start scheduled events now, within [approval] scope; every attempt "
@@ -243,7 +246,7 @@ def cmd_once(args: argparse.Namespace) -> int:
             vm = VmIdentity.fallback()
     try:
         document = parse_document(fetch.body or b"")
-        factory = RecordFactory(vm, config.imds.api_version)
+        factory = RecordFactory(vm, config.imds.api_version, key=config.agent.record_key)
         records = factory.for_changes(diff(None, document, utcnow()), document)  # (serialized here too)
     except DocumentError as exc:
         print(f"sefwd: IMDS answered with a bad document: {exc}", file=sys.stderr)
@@ -602,6 +605,10 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         return cmd_deadletter(args)
     if args.command == "completion":
         return cmd_completion(args)
+    if args.command == "keys":
+        from forwarder.agent.keys_cli import run as run_keys
+
+        return run_keys(args)
     if args.command == "emulator":
         from forwarder.emulator.cli import run as run_emulator
 

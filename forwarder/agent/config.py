@@ -13,7 +13,7 @@ import re
 import sys
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from forwarder.common.connection_strings import appinsights_problems
 from forwarder.errors import ConfigError
 from forwarder.common.http_server import parse_listen
 from forwarder.common.logs import redact
+from forwarder.common.signing import load_secret
 from forwarder.common.values import (
     boolean, choice, control_characters, duration, format_duration, parse_duration, parse_labelled, size,
     suggest, url_text,
@@ -81,6 +82,10 @@ class AgentConfig:
     log_level: str
     drain_timeout: float
     heartbeat_file: Path | None = None  # the Azure VM extension's liveness file (forwarder.agent.extension_heartbeat)
+    # This VM's record key (whsec_, derived from the fleet master: `sefwd keys derive`): records get sefwdauth.
+    record_key_env: str | None = None
+    record_key_file: str | None = None
+    record_key: bytes | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -251,6 +256,8 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "log_level": _Key("info", choice(LOG_LEVELS, aliases={"warn": "warning"})),
         "drain_timeout": _Key("10s", duration(0.0, 3600.0)),
         "heartbeat_file": _Key("", _optional_file),
+        "record_key_env": _Key(None, _nonempty),
+        "record_key_file": _Key(None, _nonempty),
     },
     "journal": {
         "max_size": _Key("256MiB", size(1024 * 1024, 64 * 1024**3)),
@@ -534,6 +541,10 @@ def parse_config(
     approval, approval_problems = parse_approval(data.get("approval", {}), env, base_dir)
     problems.extend(approval_problems)
     problems.extend(_telemetry_problems(parsed["telemetry"], env))
+    try:
+        parsed["agent"]["record_key"] = load_secret(parsed["agent"], env=env, prefix="record_key")
+    except ConfigError as exc:
+        problems.extend(f"[agent] {p}" for p in exc.problems)
     if problems:
         raise ConfigError(problems)
     return Config(

@@ -139,7 +139,8 @@ class Agent:
             # of refused requests cannot fill the store or push real events out.
             self.refusals = refusals = RefusalAggregator(submit, self.stop)
             refusals.start()
-            self.callback = CallbackServer(ap.callback, decide, refusals.submit, self.config.state.dir / DB_FILE).start()
+            self.callback = CallbackServer(ap.callback, decide, refusals.submit, self.config.state.dir / DB_FILE,
+                                           identity=lambda: poller.factory.vm.source).start()
             log.info("approval callback listening on %s", self.callback.url)
 
     def snapshot(self, dispatcher: Dispatcher, poller: Poller) -> dict[str, object]:
@@ -202,7 +203,7 @@ class Agent:
             notice = WaitNotice(log.info, self.waiting_message, done=self._answered, stop=self.stop).start()
             try:
                 vm = resolve_identity(imds, state)
-                factory = RecordFactory(vm, cfg.imds.api_version, sequence=state.sequence)
+                factory = RecordFactory(vm, cfg.imds.api_version, sequence=state.sequence, key=cfg.agent.record_key)
                 self.poller = poller = Poller(
                     telemetry.instrument_imds(imds), state, factory, telemetry.instrument_outbox(StoreOutbox(store)),
                     poll_interval=cfg.imds.poll_interval,

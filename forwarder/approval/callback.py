@@ -43,7 +43,7 @@ MAX_HEADER_BYTES = 32 * 1024
 MAX_START_REQUESTS = 20
 MAX_EVENT_ID = 100
 MAX_TEXT = 200
-ALLOWED_FIELDS = frozenset({"StartRequests", "approver", "reason", "DocumentIncarnation"})
+ALLOWED_FIELDS = frozenset({"StartRequests", "approver", "reason", "DocumentIncarnation", "ResourceId"})
 # After an early answer (413, 429, ...) the unread body is drained a little so the client sees
 # the answer instead of a connection reset; never more than this, never longer than LINGER_SECONDS.
 LINGER_BYTES = 256 * 1024
@@ -317,6 +317,16 @@ def _parse_event_ids(doc: Any) -> tuple[str, ...]:
     return tuple(ids)
 
 
+def _check_target(named: Any, mine: str) -> None:
+    """A validly signed approval for another VM (captured and replayed here) is refused."""
+    if not isinstance(named, str) or not named.strip():
+        raise _Refusal(422, "no_target_vm", "the approval must name its VM in ResourceId")
+    if not mine or mine.startswith("/host/"):
+        raise _Refusal(503, "identity_unknown", "this VM does not know its resourceId yet")
+    if named.strip().lower() != mine.strip().lower():
+        raise _Refusal(403, "wrong_vm", f"the approval is for another VM: {_short(named, 200)}")
+
+
 class _Handler(QuietHandler):
     """Serves exactly one request per connection, then closes it."""
 
@@ -498,6 +508,7 @@ class CallbackServer:
         clock: Callable[[], float] = time.time,
         max_connections: int = MAX_CONNECTIONS,
         max_per_client: int = MAX_CONNECTIONS_PER_CLIENT,
+        identity: Callable[[], str] | None = None,
     ) -> None:
         if not settings.keys:
             raise ConfigError(["approval.callback: at least one secret is required"])
@@ -506,6 +517,9 @@ class CallbackServer:
         self.settings = settings
         self._decide = decide
         self._audit = audit
+        # This VM's identity (its records' source, the resourceId): the agent always passes it, and
+        # then a signed request must name this VM in "ResourceId" (docs/security-model.md).
+        self._identity = identity
         self._replay_path = Path(replay_path)
         self._clock = clock
         self._max_connections = max_connections
@@ -702,6 +716,8 @@ class CallbackServer:
         handler.incarnation = doc.get("DocumentIncarnation")
         handler.approver = _optional_text(doc, "approver")
         reason = _optional_text(doc, "reason")
+        if self._identity is not None:
+            _check_target(doc.get("ResourceId"), self._identity())
         request = ApprovalRequest(tuple(handler.event_ids), handler.approver, reason, handler.client, msg_id)
         try:
             verdict = self._decide(request)

@@ -14,6 +14,7 @@ import requests
 
 from forwarder.approval.callback import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 from forwarder.emulator import Emulator
+from forwarder.emulator.model import VmProfile
 from forwarder.common.signing import generate_secret, parse_secret, sign_headers
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 
@@ -64,7 +65,8 @@ def test_idle_connections_from_one_client_do_not_starve_another(tmp_path):
                 sock = idle_connection(port, "127.0.0.2")
                 if sock is not None:
                     held.append(sock)
-            body = orjson.dumps({"StartRequests": [{"EventId": "no-such-event"}]})
+            body = orjson.dumps({"StartRequests": [{"EventId": "no-such-event"}],
+                                 "ResourceId": VmProfile("vm0").resource_id})
             headers = sign_headers(parse_secret(SECRET), f"msg_{uuid.uuid4().hex}", body, now=time.time())
             headers["content-type"] = "application/json"
             started = time.monotonic()

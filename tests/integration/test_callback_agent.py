@@ -13,10 +13,13 @@ import requests
 from standardwebhooks.webhooks import Webhook
 
 from forwarder.emulator import Emulator
+from forwarder.emulator.model import VmProfile
 from forwarder.common.signing import generate_secret, parse_secret, sign_headers
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 
 SECRET = generate_secret()
+# The agent's VM (WestNO_0): a signed approval must name it (a captured one for another VM is refused).
+MINE = VmProfile("WestNO_0").resource_id
 
 
 def free_port() -> int:
@@ -54,7 +57,7 @@ def _reachable(port: int) -> bool:
 
 
 def body_for(*ids: str, **extra: object) -> bytes:
-    return orjson.dumps({"StartRequests": [{"EventId": i} for i in ids], **extra})
+    return orjson.dumps({"StartRequests": [{"EventId": i} for i in ids], "ResourceId": MINE, **extra})
 
 
 def signed(body: bytes, *, key: bytes | None = None, msg_id: str | None = None, now: float | None = None) -> dict[str, str]:
@@ -115,6 +118,22 @@ def test_bad_requests_are_refused_audited_and_never_posted(agent):
     wait_until(lambda: any(r.get("subject") == started for r in read_jsonl(agent["out"])), 30, "event seen")
     body = body_for(started)
     refused(agent, body, signed(body), 422, "already_started")
+
+
+def test_a_signed_approval_for_another_vm_or_for_no_vm_is_refused_and_audited(agent):
+    """Issue 21: an approval validly signed for VM B (captured, replayed to A) never approves on A."""
+    emu = agent["emu"]
+    event = emu.schedule(type="Freeze", duration=5, resources=["WestNO_0", "WestNO_1"], start_after=600)
+    wait_until(lambda: any(r.get("subject") == event for r in read_jsonl(agent["out"])), 30, "event seen")
+    other = body_for(event, ResourceId=VmProfile("WestNO_1").resource_id)
+    refused(agent, other, signed(other), 403, "wrong_vm")
+    anonymous = orjson.dumps({"StartRequests": [{"EventId": event}]})
+    refused(agent, anonymous, signed(anonymous), 422, "no_target_vm")
+    assert next(e["EventStatus"] for e in emu.document()["Events"] if e["EventId"] == event) == "Scheduled"
+    # The same VM named in another case is this VM (resource ids are case-insensitive).
+    mine = body_for(event, ResourceId=MINE.upper())
+    answer = requests.post(agent["url"], data=mine, headers=signed(mine), timeout=10)
+    assert answer.status_code == 200 and answer.json()["approved"] == [event], answer.text
 
 
 def test_standardwebhooks_signed_request_is_one_post_and_replay_is_refused(agent):

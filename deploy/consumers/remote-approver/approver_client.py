@@ -57,6 +57,7 @@ def approve(
     approver: str,
     reason: str,
     *,
+    resource_id: str,
     timeout: float = 10,
     session: requests.Session | None = None,
     verify: bool | str = True,
@@ -69,14 +70,17 @@ def approve(
     Returns the callback's JSON answer plus ``http_status`` (None when unreachable), ``ok`` (200 and
     approved / already approved), ``final`` (False only when every attempt failed transiently:
     a later copy of the record may try again) and ``attempts``. ``verify`` is requests' TLS
-    setting: True, or the path of a CA bundle for a private CA.
+    setting: True, or the path of a CA bundle for a private CA. ``resource_id`` names the VM the
+    approval is for (signed with the body): that VM's callback refuses an approval naming another.
     """
     if not event_ids:
         raise ValueError("approve needs at least one EventId")
+    if not resource_id.strip():
+        raise ValueError("approve needs the resourceId of the VM the approval is for")
     signer = Webhook(secret)  # raises for an empty or non-base64 secret: a config error, not a retry
     # The callback refuses (400) free text over 200 characters or with control characters.
     payload = {"StartRequests": [{"EventId": event_id} for event_id in event_ids],
-               "approver": _text(approver), "reason": _text(reason)}
+               "approver": _text(approver), "reason": _text(reason), "ResourceId": resource_id}
     # Serialized once: the signature covers these exact bytes, so every attempt sends them unchanged.
     body = json.dumps(payload, separators=(",", ":"))
     http = session or requests.Session()

@@ -1,12 +1,17 @@
-"""Pure approval decisions over sefwd records: which events to approve, once, and on which VM."""
+"""Pure approval decisions over sefwd records: whom a record speaks for, which events to approve,
+once, and on which VM."""
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
+
+import streamauth
 
 DECIDED_TYPES = ("scheduledevent.scheduled", "scheduledevent.updated")
 # Terminal records: every VM sends one per event, all with eventkey "<EventId>:ended" and the VM's
@@ -85,6 +90,68 @@ def should_approve(record: Mapping[str, Any], policy: Policy) -> tuple[bool, str
             return True, "short_freeze"
         return False, "freeze_too_long"
     return False, "no_rule_matched"
+
+
+_VM_ID = re.compile(
+    r"^/subscriptions/(?P<sub>[^/]+)/resourceGroups/(?P<rg>[^/]+)/providers/Microsoft\.Compute/"
+    r"(?:virtualMachineScaleSets/(?P<set>[^/]+)/virtualMachines/(?P<instance>[^/]+)|virtualMachines/(?P<vm>[^/]+))$",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True)
+class VmIdentity:
+    """A VM as the stream's authentication knows it: the resourceId its key was derived for.
+
+    ``name`` is the VM as IMDS names it in ``Resources``: the VM name, or ``<scale set>_<instance>``
+    for a scale-set instance (FACTS: Resources names).
+    """
+
+    resource_id: str
+    name: str
+    subscription_id: str
+    resource_group: str
+
+    @classmethod
+    def from_resource_id(cls, resource_id: str) -> VmIdentity | None:
+        """None for anything that is not a VM's resourceId (a ``/vm/<vmId>`` source names no VM)."""
+        match = _VM_ID.match(resource_id.strip())
+        if match is None:
+            return None
+        name = match["vm"] or f"{match['set']}_{match['instance']}"
+        return cls(resource_id.strip(), name, match["sub"], match["rg"])
+
+    def named_in(self, resources: Iterable[Any]) -> bool:
+        """Whether ``Resources`` names this VM ("_" prefix of 2017-03-01 stripped, any case)."""
+        mine = self.name.lower()
+        return any(isinstance(r, str) and r.lstrip("_").lower() == mine for r in resources)
+
+
+def authenticated_vm(record: Mapping[str, Any], masters: Iterable[bytes]) -> VmIdentity | None:
+    """The VM that authenticated ``record`` (its ``sefwdauth`` made with the key derived for the
+    resourceId in ``source``), or None: then the record is untrusted and nothing may act on it.
+
+    Only the identity is proven; every field the VM wrote (Resources, EventSource, EventType,
+    DurationInSeconds, NotBefore, Vm...) is that VM's claim about its own IMDS document.
+    """
+    source = record.get("source")
+    if not isinstance(source, str) or not streamauth.verify(record, masters):
+        return None
+    return VmIdentity.from_resource_id(source)
+
+
+def record_age(record: Mapping[str, Any], now: datetime | None = None) -> float | None:
+    """Seconds since the record's ``time`` (negative: from the future); None when it has none."""
+    text = record.get("time")
+    if not isinstance(text, str):
+        return None
+    try:
+        when = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        return None
+    return ((now or datetime.now(timezone.utc)) - when).total_seconds()
 
 
 def target_vm(record: Mapping[str, Any]) -> str:

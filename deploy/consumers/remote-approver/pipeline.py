@@ -1,4 +1,5 @@
-"""Records in, approvals out: settings, de-duplication, leader targeting, and the webhook receiver."""
+"""Records in, approvals out: settings, record authentication, replay cache, de-duplication, leader
+targeting, and the webhook receiver."""
 from __future__ import annotations
 
 import base64
@@ -9,12 +10,16 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import requests
 from standardwebhooks.webhooks import Webhook
 
 import approver_client
-from decide import ALL_EVENT_TYPES, Deduper, OutcomeFolder, Policy, dedupe_key, should_approve, target_vm
+import streamauth
+from decide import (ALL_EVENT_TYPES, Deduper, OutcomeFolder, Policy, VmIdentity, authenticated_vm, dedupe_key,
+                    record_age, should_approve, target_vm)
+from seen_records import SeenRecords
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +58,11 @@ class Settings:
 
     policy: Policy
     callback_url_template: str
-    callback_secret: str = field(repr=False)
+    masters: tuple[bytes, ...] = field(repr=False)  # the fleet master(s): the first signs approvals
     webhook_secrets: tuple[str, ...] = field(default=(), repr=False)
-    callback_urls: Mapping[str, str] = field(default_factory=dict)  # lower-case VM name -> URL
+    callback_urls: Mapping[str, str] = field(default_factory=dict)  # lower-case resourceId or VM name -> URL
+    seen_records_path: Path = Path("seen-records.db")
+    record_max_age: float = 3600.0
     approver_name: str = "remote-approver"
     verify: bool | str = True
     timeout: float = 5.0
@@ -84,13 +91,20 @@ class Settings:
                 template.format(vm_name="vm", vm_lower="vm", vm_dns="vm")
             except (KeyError, IndexError, ValueError) as exc:
                 problems.append(f"CALLBACK_URL_TEMPLATE: only {{vm_name}}, {{vm_lower}}, {{vm_dns}} are allowed: {exc!r}")
-        secret = env.get("SEFWD_CALLBACK_SECRET", "").strip()
-        if not secret:
-            problems.append("SEFWD_CALLBACK_SECRET is required (the whsec_ secret of the VMs' [approval.callback])")
-        else:
-            problem = secret_problem(secret)
+        masters: list[bytes] = []
+        for position, value in enumerate(env.get("SEFWD_MASTER_SECRET", "").split(), 1):
+            problem = secret_problem(value)
             if problem:
-                problems.append(f"SEFWD_CALLBACK_SECRET {problem}")
+                problems.append(f"SEFWD_MASTER_SECRET: secret #{position} {problem}")
+            else:
+                masters.append(streamauth.master_key(value))
+        if not env.get("SEFWD_MASTER_SECRET", "").strip():
+            problems.append("SEFWD_MASTER_SECRET is required (the fleet master secret: records are verified "
+                            "and per-VM callback secrets derived with it; `sefwd keys new-master`)")
+        if env.get("SEFWD_CALLBACK_SECRET", "").strip():
+            # One secret shared by every VM let an approval captured for one VM approve on another.
+            problems.append("SEFWD_CALLBACK_SECRET (one callback secret for all VMs) is no longer used: set "
+                            "SEFWD_MASTER_SECRET and give each VM its derived callback secret (README: Migration)")
         webhook_secrets = tuple(env.get("SEFWD_WEBHOOK_SECRET", "").split())
         for position, value in enumerate(webhook_secrets, 1):
             problem = secret_problem(value)
@@ -105,7 +119,8 @@ class Settings:
         if unknown:
             problems.append(f"APPROVE_EVENT_TYPES: unknown event types {unknown} (known: {sorted(ALL_EVENT_TYPES)})")
         numbers: dict[str, float] = {}
-        for name, default in (("CALLBACK_TIMEOUT_SECONDS", 5.0), ("CALLBACK_ATTEMPTS", 3.0)):
+        for name, default in (("CALLBACK_TIMEOUT_SECONDS", 5.0), ("CALLBACK_ATTEMPTS", 3.0),
+                              ("RECORD_MAX_AGE_SECONDS", 3600.0)):
             try:
                 numbers[name] = float(env.get(name, "") or default)
                 if numbers[name] <= 0:
@@ -122,34 +137,50 @@ class Settings:
         if problems:
             raise ValueError("remote approver settings: " + "; ".join(problems))
         site = env.get("WEBSITE_SITE_NAME", "").strip()
+        # Durable across restarts; under /home on Azure Functions (persisted, shared by the instances
+        # of Premium and Dedicated plans).
+        seen = env.get("SEEN_RECORDS_PATH", "").strip() or str(Path(env.get("HOME", ".")) / "data" / "sefwd-approver"
+                                                                 / "seen-records.db")
         return cls(
-            policy=policy, callback_url_template=template, callback_secret=secret,
-            webhook_secrets=webhook_secrets, callback_urls=urls,
+            policy=policy, callback_url_template=template, masters=tuple(masters),
+            webhook_secrets=webhook_secrets, callback_urls=urls, seen_records_path=Path(seen),
+            record_max_age=numbers["RECORD_MAX_AGE_SECONDS"],
             approver_name=env.get("APPROVER_NAME", "").strip() or (f"azure-function:{site}" if site else "remote-approver"),
             verify=ca_bundle or True, timeout=numbers["CALLBACK_TIMEOUT_SECONDS"],
             attempts=int(numbers["CALLBACK_ATTEMPTS"]), dry_run=_flag(env.get("DRY_RUN")),
         )
 
-    def callback_url(self, vm_name: str) -> str:
-        """The approval endpoint of ``vm_name``: CALLBACK_URLS first, else the template."""
-        explicit = self.callback_urls.get(vm_name.lstrip("_").lower())
+    def callback_url(self, vm: VmIdentity) -> str:
+        """The approval endpoint of the authenticated ``vm``: CALLBACK_URLS (by resourceId, then by
+        name) first, else the template with every component percent-escaped, so no name can add a
+        host, a path, a query or a fragment (``attacker.host/#`` stays one label)."""
+        explicit = self.callback_urls.get(vm.resource_id.lower()) or self.callback_urls.get(vm.name.lower())
         if explicit:
             return explicit
         if not self.callback_url_template:
-            raise LookupError(f"no callback URL for VM {vm_name!r} (not in CALLBACK_URLS, no CALLBACK_URL_TEMPLATE)")
-        return self.callback_url_template.format(vm_name=vm_name, vm_lower=vm_name.lower(), vm_dns=dns_label(vm_name))
+            raise LookupError(f"no callback URL for VM {vm.name!r} (not in CALLBACK_URLS, no CALLBACK_URL_TEMPLATE)")
+        return self.callback_url_template.format(vm_name=quote(vm.name, safe=""), vm_lower=quote(vm.name.lower(), safe=""),
+                                                 vm_dns=quote(dns_label(vm.name), safe=""))
+
+    def callback_secret(self, vm: VmIdentity) -> str:
+        """The ``whsec_`` secret ``vm``'s callback verifies: derived for it from the (first) master."""
+        return streamauth.callback_secret(self.masters[0], vm.resource_id)
 
 
 ApproveFn = Callable[..., dict[str, Any]]
 
 
 class RemoteApprover:
-    """Decide each record once (by ``eventkey``) and send approvals to the event's leader VM."""
+    """Act only on authenticated records, each once; approve an event only on the VM that sent the
+    record, and only when that VM is named in the event and is its leader."""
 
-    def __init__(self, settings: Settings, *, deduper: Deduper | None = None,
+    def __init__(self, settings: Settings, *, deduper: Deduper | None = None, seen: SeenRecords | None = None,
                  session: requests.Session | None = None, approve: ApproveFn = approver_client.approve) -> None:
         self.settings = settings
         self.deduper = deduper or Deduper()
+        # Retention beyond the max age: a record older than that is refused as stale before the lookup.
+        self.seen = seen or SeenRecords(settings.seen_records_path, retention=2 * settings.record_max_age + 600)
+        self.untrusted = 0  # records refused for a missing or wrong sefwdauth (also logged)
         self.outcomes = OutcomeFolder()
         # One pooled session per function instance; requests' Session is safe for this use.
         self.session = session or requests.Session()
@@ -160,6 +191,15 @@ class RemoteApprover:
         raw = record.get("data")
         data: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
         outcome: dict[str, Any] = {"id": record.get("id"), "type": record.get("type"), "EventId": data.get("EventId")}
+        vm = authenticated_vm(record, self.settings.masters)
+        if vm is None:
+            # Forged, altered, signed with another VM's key, unsigned, or not from a VM: nobody vouches for it.
+            self.untrusted += 1
+            log.warning("untrusted record %.80r from %.200r: no valid sefwdauth for its source (ignored)",
+                        record.get("id"), record.get("source"))
+            outcome.update(decision="untrusted", reason="unauthenticated")
+            return outcome
+        outcome["vm"] = vm.resource_id
         folded = self.outcomes.add(record)
         if folded is not None:
             # A terminal record: fold the VMs' conclusions into the fleet's one outcome per EventId.
@@ -172,44 +212,71 @@ class RemoteApprover:
         if not approve:
             outcome["decision"] = "skip"
             return outcome
+        refusal = self._scope_problem(record, vm)
+        if refusal is not None:
+            outcome.update(decision="skip", reason=refusal)
+            return outcome
         key = dedupe_key(record)
         outcome["eventkey"] = key
+        seen_key = f"{vm.resource_id.lower()}|{record.get('id')}"
+        if not self.seen.claim(seen_key):
+            outcome["decision"] = "replayed"
+            return outcome
         if not self.deduper.claim(key):
             outcome["decision"] = "duplicate"
             return outcome
-        target = target_vm(record)
-        outcome["target"] = target
+        outcome["target"] = vm.name
         try:
-            url = self.settings.callback_url(target)
+            url = self.settings.callback_url(vm)
         except LookupError as exc:
             log.error("%s", exc)
+            self.seen.release(seen_key)
+            self.deduper.release(key)
             outcome.update(decision="failed", detail=str(exc))
             return outcome
         if self.settings.dry_run:
             log.info("DRY_RUN: would approve %s (%s) via %s", data.get("EventId"), reason, url)
             outcome["decision"] = "dry_run"
             return outcome
-        seen_by = data.get("Vm", {}).get("Name") if isinstance(data.get("Vm"), Mapping) else None
         answer = self._approve(
-            url, self.settings.callback_secret, [str(data["EventId"])], self.settings.approver_name,
-            f"{reason} (record {record.get('id')} from {seen_by or record.get('source')})",
+            url, self.settings.callback_secret(vm), [str(data["EventId"])], self.settings.approver_name,
+            f"{reason} (record {record.get('id')})", resource_id=vm.resource_id,
             timeout=self.settings.timeout, session=self.session, verify=self.settings.verify,
             attempts=self.settings.attempts,
         )
         if not answer.get("final", True):
-            # Unreachable or 5xx after every attempt: forget the key so the next copy (from another
-            # VM of the set, or a redelivery) tries again. The event still proceeds at NotBefore.
+            # Unreachable or 5xx after every attempt: forget the keys so a redelivery or the VM's
+            # next record tries again. The event still proceeds at NotBefore.
             self.deduper.release(key)
+            self.seen.release(seen_key)
         outcome.update(
             decision="approved" if answer.get("ok") else "refused" if answer.get("final", True) else "failed",
             answer=answer.get("reason"), http_status=answer.get("http_status"),
         )
         return outcome
 
+    def _scope_problem(self, record: Mapping[str, Any], vm: VmIdentity) -> str | None:
+        """Why the authenticated ``vm`` may not have this event approved through us, or None.
+
+        A VM speaks only for itself: it must be named in the event's Resources (the approval is
+        sent to it, and IMDS lets any VM in Resources approve the event anyway), and it must be the
+        event's leader, so exactly one VM's record of a shared event leads to an approval.
+        """
+        age = record_age(record)
+        if age is None or age > self.settings.record_max_age or age < -300:
+            return "stale_record"
+        raw = record.get("data")
+        resources = raw.get("Resources") if isinstance(raw, Mapping) else None
+        if not isinstance(resources, list) or not vm.named_in(resources):
+            return "not_this_vm"
+        if target_vm(record).lower() != vm.name.lower():
+            return "not_the_leader"
+        return None
+
     def handle_many(self, records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
         outcomes = [self.handle(record) for record in records]
         for o in outcomes:
-            if o["decision"] != "skip":
+            if o["decision"] not in ("skip", "untrusted"):
                 log.info("record %s %s event %s: %s (%s) target=%s http=%s", o.get("id"), o.get("type"),
                          o.get("EventId"), o["decision"], o["reason"], o.get("target"), o.get("http_status"))
         return outcomes
