@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if master is None:  # argparse requires one of the two
         raise ConfigError(["give --master-file or --master-env"])
     resource_id = args.resource_id.strip()
-    if not resource_id.startswith("/subscriptions/") and not resource_id.startswith("/vm/"):
+    if not resource_id.lower().startswith(("/subscriptions/", "/vm/")):
         raise ConfigError([f"--resource-id must be a VM resourceId (/subscriptions/...), got {resource_id[:80]!r}"])
     if args.json:
         keys = {name: as_secret(derive_key(master, purpose, resource_id)) for name, purpose in PURPOSES.items()}
