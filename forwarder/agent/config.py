@@ -212,6 +212,12 @@ def _optional_file(value: Any) -> Path | None:
     return Path(text).expanduser() if text else None
 
 
+def _optional_text(value: Any) -> str | None:
+    """A name or path, "" meaning unset."""
+    text = _string(value).strip()
+    return text or None
+
+
 def _telemetry_credential(value: Any) -> str:
     text = _string(value).strip()
     if text != "managed_identity":
@@ -256,8 +262,8 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "log_level": _Key("info", choice(LOG_LEVELS, aliases={"warn": "warning"})),
         "drain_timeout": _Key("10s", duration(0.0, 3600.0)),
         "heartbeat_file": _Key("", _optional_file),
-        "record_key_env": _Key(None, _nonempty),
-        "record_key_file": _Key(None, _nonempty),
+        "record_key_env": _Key("", _optional_text),
+        "record_key_file": _Key("", _optional_text),
     },
     "journal": {
         "max_size": _Key("256MiB", size(1024 * 1024, 64 * 1024**3)),

@@ -82,6 +82,12 @@ KEY_DOCS: dict[str, dict[str, tuple[str, Any]]] = {
         "heartbeat_file": ("A file rewritten every 30 s in the Azure guest agent's heartbeat format "
                            "(Ready/NotReady and a one-line summary); the VM extension sets it. \"\" (the "
                            "default) writes none.", None),
+        "record_key_env": ("Environment variable holding this VM's record key (whsec_..., from `sefwd keys derive "
+                           "--purpose record`): every record then carries sefwdauth, which consumers such as the "
+                           "remote approver require (docs/security-model.md). Set this or record_key_file; \"\" "
+                           "(the default): records are not authenticated.", None),
+        "record_key_file": ("File holding this VM's record key (readable by the agent's user only; the VM "
+                            "extension writes it from protectedSettings).", None),
     },
     "journal": {
         "max_size": ("The cap on undelivered records in state.db. Past max_size heartbeats and audits are "
