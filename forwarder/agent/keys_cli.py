@@ -32,8 +32,20 @@ def register(subparsers: Any) -> None:
     )
     ksub = p.add_subparsers(dest="keys_command", metavar="ACTION")
     ksub.required = True
-    ksub.add_parser("new-master", help="print a new random master secret (whsec_ + 32 random bytes)")
-    d = ksub.add_parser("derive", help="print one VM's derived key(s)")
+    raw = argparse.RawDescriptionHelpFormatter
+    ksub.add_parser("new-master", help="print a new random master secret (whsec_ + 32 random bytes)",
+                    description="Print a new fleet master secret. Keep it where the consumers read it "
+                                "(Key Vault), never on a VM.",
+                    epilog="examples:\n  sefwd keys new-master > master.secret\n\nexit codes: 0 ok",
+                    formatter_class=raw)
+    d = ksub.add_parser("derive", help="print one VM's derived key(s)",
+                        description="Derive the record key or the callback secret of one VM from the master "
+                                    "and the VM's resourceId.",
+                        epilog="examples:\n"
+                               "  sefwd keys derive --master-file master.secret --resource-id \"$ID\" > record.key\n"
+                               "  sefwd keys derive --master-env SEFWD_MASTER --resource-id \"$ID\" --purpose callback\n\n"
+                               "exit codes: 0 ok, 2 usage error or unreadable master",
+                        formatter_class=raw)
     source = d.add_mutually_exclusive_group(required=True)
     source.add_argument("--master-file", metavar="FILE", help="file holding the master secret (whsec_...)")
     source.add_argument("--master-env", metavar="NAME", help="environment variable holding the master secret")
