@@ -6,10 +6,12 @@ from pathlib import Path
 
 import requests
 
+from forwarder.common.fleet_keys import as_secret
 from forwarder.emulator import Emulator
 from forwarder.imds.outcome import fold
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 from tests.conftest import ROOT
+from tests.fleet import MASTER_SECRET, record_key
 
 APP_DIR = ROOT / "deploy" / "consumers" / "remote-approver"
 
@@ -25,6 +27,11 @@ def _kinds(out: Path, event_id: str) -> list[str]:
             and r["type"].startswith("scheduledevent.")]
 
 
+def _keys(vm: str) -> dict[str, str]:
+    """The VM's own record key (the remote approver ignores records without a valid sefwdauth)."""
+    return {"SEFWD_AGENT_RECORD_KEY_ENV": "SEFWD_RECORD_KEY", "SEFWD_RECORD_KEY": as_secret(record_key(vm))}
+
+
 def test_two_agents_one_availability_set_fold_to_one_outcome_per_event(tmp_path: Path) -> None:
     with Emulator(vms=["vm-a", "vm-b"]) as emu:
         agents, outs, configs = {}, {}, {}
@@ -32,7 +39,7 @@ def test_two_agents_one_availability_set_fold_to_one_outcome_per_event(tmp_path:
             (tmp_path / vm).mkdir()
             configs[vm] = write_config(tmp_path / vm / "c.toml", emu.vm_url(vm), tmp_path / vm / "state")
             outs[vm] = tmp_path / vm / "out.jsonl"
-            agents[vm] = AgentProcess(configs[vm], tmp_path / vm / "agent.log")
+            agents[vm] = AgentProcess(configs[vm], tmp_path / vm / "agent.log", env=_keys(vm))
         ran = emu.schedule(type="Reboot", resources=["vm-a", "vm-b"], not_before="+15m", complete_after=600)
         called_off = emu.schedule(type="Redeploy", resources=["vm-a", "vm-b"], not_before="+10m")
         for vm in agents:
@@ -52,7 +59,7 @@ def test_two_agents_one_availability_set_fold_to_one_outcome_per_event(tmp_path:
         wait_until(lambda: "started" in _kinds(outs["vm-b"], ran), 30, "vm-b: started record")
         emu.complete(ran)
         wait_until(lambda: _terminal(outs["vm-b"], ran), 30, "vm-b: terminal record of the Reboot")
-        agents["vm-a"] = AgentProcess(configs["vm-a"], tmp_path / "vm-a" / "agent2.log")
+        agents["vm-a"] = AgentProcess(configs["vm-a"], tmp_path / "vm-a" / "agent2.log", env=_keys("vm-a"))
         wait_until(lambda: _terminal(outs["vm-a"], ran), 60, "vm-a: terminal record after its restart")
         for agent in agents.values():
             assert agent.terminate() == 0
@@ -80,9 +87,10 @@ def test_two_agents_one_availability_set_fold_to_one_outcome_per_event(tmp_path:
         sys.path.insert(0, str(APP_DIR))
     import pipeline
 
-    settings = pipeline.Settings.from_env({"CALLBACK_URL_TEMPLATE": "https://{vm_lower}.invalid/approvals",
-                                           "SEFWD_CALLBACK_SECRET": "whsec_" + "A" * 32})
     for order in (("vm-a", "vm-b"), ("vm-b", "vm-a")):
+        settings = pipeline.Settings.from_env({"CALLBACK_URL_TEMPLATE": "https://{vm_lower}.invalid/approvals",
+                                               "SEFWD_MASTER_SECRET": MASTER_SECRET,
+                                               "SEEN_RECORDS_PATH": str(tmp_path / "-".join(order) / "seen.db")})
         approver = pipeline.RemoteApprover(settings, approve=lambda *a, **k: {"ok": False})
         stream = [r for vm in order for r in read_jsonl(outs[vm]) if r["type"] in TERMINAL]
         decided = [o for o in approver.handle_many(stream) if o["decision"] == "outcome"]
