@@ -279,3 +279,27 @@ def test_a_replayed_record_is_acted_on_once_across_restarts(recorder, tmp_path):
     stale = record("Reboot", "User", -1, resources=["WestNO_0"], seen_by="WestNO_0", event_id="EV-2", time=old)
     assert (restarted.handle(stale)["decision"], restarted.handle(stale)["reason"]) == ("skip", "stale_record")
     assert [r["path"] for r in recorder.requests] == ["/WestNO_0/approvals"]
+
+
+def test_the_event_hubs_trigger_acts_only_on_authenticated_records(recorder, tmp_path, monkeypatch):
+    """The Function's own Event Hubs binding (function_app.sefwd_eventhub) with bodies as the hub
+    delivers them: a sender with Data Sender rights but without WestNO_0's key gets nothing sent."""
+    func = pytest.importorskip("azure.functions")
+    import function_app
+
+    env = {"CALLBACK_URL_TEMPLATE": f"http://127.0.0.1:{recorder.port}/{{vm_name}}/approvals",
+           "SEFWD_MASTER_SECRET": MASTER_SECRET, "SEEN_RECORDS_PATH": str(tmp_path / "seen.db"), "CALLBACK_ATTEMPTS": "1"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    function_app.get_approver.cache_clear()
+    try:
+        handler = {f.get_function_name(): f.get_user_function() for f in function_app.app.get_functions()}["sefwd_eventhub"]
+        forged = [record("Reboot", "User", -1, resources=["WestNO_0"], seen_by="WestNO_1", claim="WestNO_0"),
+                  record("Reboot", "User", -1, resources=["WestNO_0"], seen_by="WestNO_0", signer="")]
+        handler([func.EventHubEvent(body=json.dumps(r).encode()) for r in forged])
+        assert recorder.requests == [] and function_app.get_approver().untrusted == 2
+        genuine = record("Reboot", "User", -1, resources=["WestNO_0"], seen_by="WestNO_0")
+        handler([func.EventHubEvent(body=json.dumps(genuine).encode())] * 2)  # delivered twice: acted on once
+        assert [r["path"] for r in recorder.requests] == ["/WestNO_0/approvals"]
+    finally:
+        function_app.get_approver.cache_clear()
