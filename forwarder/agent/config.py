@@ -652,7 +652,8 @@ def describe(config: Config) -> str:
         f"re-read every {format_duration(imds.compute_refresh)}",
         f"state: {config.state.dir}",
         f"agent: heartbeat {heartbeat}, log level {agent.log_level}, drain timeout "
-        f"{format_duration(agent.drain_timeout)}",
+        f"{format_duration(agent.drain_timeout)}, records "
+        f"{'authenticated (sefwdauth)' if agent.record_key else 'not authenticated (no record key)'}",
         f"sinks ({len(config.sinks)}):",
     ]
     for sink in config.sinks:

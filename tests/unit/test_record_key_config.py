@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from forwarder.agent.config import parse_config
+from forwarder.agent.config import describe, parse_config
 from forwarder.common.signing import generate_secret, parse_secret
 from forwarder.errors import ConfigError
 
@@ -17,6 +17,9 @@ def test_the_record_key_comes_from_an_env_var_or_a_file_and_is_never_shown(tmp_p
     by_file = parse_config({}, {"SEFWD_AGENT_RECORD_KEY_FILE": str(key_file)}, "built-in defaults")
     assert by_file.agent.record_key == parse_secret(secret)
     assert parse_config({}, {}, "built-in defaults").agent.record_key is None  # off by default
+    # `sefwd config check` says which it is, never the key.
+    assert "records authenticated (sefwdauth)" in describe(by_env) and secret not in describe(by_env)
+    assert "records not authenticated" in describe(parse_config({}, {}, "built-in defaults"))
 
 
 def test_every_record_key_problem_is_listed():
