@@ -139,8 +139,15 @@ def _target_problems(apprise: Any, index: int, url: str, insecure_http: bool) ->
         return [f"{where}: contains whitespace or control characters"]
     plugin = apprise.Apprise.instantiate(url, asset=_asset(apprise))
     if plugin is None:
-        return [f"{where}: Apprise cannot use this URL (unknown scheme {scheme!r}, or a missing or malformed "
-                f"token, host or parameter; see https://github.com/caronc/apprise/wiki)"]
+        if scheme == "msteams":
+            return [f"{where}: Teams' Office 365 connectors are retired and Apprise dropped msteams://; add a "
+                    "Workflows webhook to the channel and use its https://...logic.azure.com/... URL or workflows://"]
+        from apprise.manager_plugins import NotificationManager
+
+        if scheme not in NotificationManager():
+            return [f"{where}: unknown Apprise scheme {scheme!r} (see https://github.com/caronc/apprise/wiki)"]
+        return [f"{where}: Apprise cannot use this {scheme}:// URL: a token, host or parameter is missing or "
+                "malformed (see https://github.com/caronc/apprise/wiki)"]
     problems = []
     if getattr(plugin, "verify_certificate", True) is False:
         problems.append(f"{where}: verify=no turns TLS certificate checks off; remove it (the agent always verifies)")
@@ -246,9 +253,11 @@ class NotifySink:
                 else:
                     return result  # keep the order: later records wait for this one
             refused += rejects.values()
-        for record in batch:
-            self._done.pop(record.id, None)
-            self._refused.pop(record.id, None)
+        if not refused or len(batch) == 1:
+            # A refusal in a batch keeps what each target took: the dispatcher sends the records one by one next.
+            for record in batch:
+                self._done.pop(record.id, None)
+                self._refused.pop(record.id, None)
         if refused:
             first = refused[0]
             return Reject(reason=first.reason, detail="; ".join(r.detail for r in refused))

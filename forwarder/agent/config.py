@@ -48,7 +48,8 @@ MAX_POLL_INTERVAL = 3600.0
 # The sink name becomes a directory under the state dir, so it must stay one plain path part.
 _SINK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _API_VERSION = re.compile(r"^\d{4}-\d{2}-\d{2}(-preview)?$")
-_SECRET_WORDS = ("secret", "key", "password", "connection_string", "token", "authorization", "credential")
+_SECRET_WORDS = ("secret", "key", "password", "connection_string", "token", "authorization", "credential",
+                 "urls")  # notify: Apprise URLs embed tokens
 
 _USE_SYSTEM_PATH: Any = object()
 
