@@ -8,7 +8,7 @@ out of the agent's log.
 
 How Apprise's answers map to results (Apprise tells success or failure per target, not why): a target
 that failed is looked up in the log lines Apprise captured for that call. An HTTP status there
-(``error=503``) decides like every HTTP sink: 408, 425, 429 and 5xx are retried, other 4xx are
+(``error=503``) decides like every HTTP sink: 408, 429 and 5xx are retried, other 4xx are
 permanent (the record goes to dead letters, reason ``http_<status>``). A timeout, a connection error, or
 a failure without a status is retried (``timeout`` / ``connection_error`` / ``delivery_failed``).
 Targets that already took a record are not sent it again when another target's failure makes the batch
