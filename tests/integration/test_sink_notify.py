@@ -314,3 +314,28 @@ def test_a_missing_extra_is_a_config_problem_naming_it():
     assert done.returncode == 0, done.stderr
     assert "the notify sink needs apprise; install it with: pip install 'scheduled-events-forwarder[notify]'" in done.stdout
 
+
+
+def test_a_target_that_does_not_answer_in_time_is_retried(peer, tmp_path):
+    sink = make(tmp_path, [target(peer, "/slow")], timeout="1s")
+    peer.queue(Response(hang=True))
+    try:
+        assert sink.send([event_record(30)]) == Retry(reason="timeout")
+    finally:
+        peer.release()
+
+
+def test_approvals_and_agent_trouble_read_as_such(peer, tmp_path):
+    sink = make(tmp_path, [target(peer, "/chat")])
+    vm = {"Name": "web-1"}
+    refused = Record.from_dict({"id": "a1", "type": "approval.refused", "time": iso(datetime.now(timezone.utc)),
+                                "data": {"EventId": "EVT-31", "Outcome": "refused", "Actor": "callback",
+                                         "Reason": "bad_signature", "Detail": "signature does not match", "Vm": vm}})
+    lost = Record.from_dict({"id": "f1", "type": "forwarder.data_lost", "time": "2026-11-26T01:02:03.000Z",
+                             "data": {"Reason": "store_damaged", "Detail": "state.db set aside", "Vm": vm}})
+    assert sink.send([refused, lost]) == Ok()
+    first, second = (r.json() for r in peer.wait_for(2))
+    assert first["title"] == "Approval refused for EVT-31 on web-1" and first["type"] == "failure"
+    assert first["message"] == "callback: refused (bad_signature).\nsignature does not match"
+    assert second["title"] == "sefwd on web-1: data lost" and second["type"] == "failure"
+    assert "2026-11-26 01:02:03 UTC" in second["message"] and "Reason: store_damaged" in second["message"]
