@@ -187,9 +187,9 @@ def test_the_agent_notifies_from_the_emulator_retries_and_dead_letters(peer, tmp
                               extra='[delivery]\nretry_initial = "100ms"\nretry_max = "300ms"\n')
         agent = AgentProcess(config, tmp_path / "agent.log")
         try:
-            first = emu.schedule(type="Reboot", resources=["web-1"])
+            first = emu.schedule(type="Reboot", resources=["web-1"], start_after=600)
             wait_until(lambda: len(peer.requests) >= 2, 30, "the first message, after one 500")
-            second = emu.schedule(type="Freeze", resources=["web-1"])
+            second = emu.schedule(type="Freeze", resources=["web-1"], start_after=600)
             wait_until(lambda: dead_letters(config, "people"), 30, "the 410 in dead letters")
             assert agent.terminate() == 0
         finally:
