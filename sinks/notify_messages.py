@@ -152,9 +152,10 @@ def _parse_time(value: Any) -> datetime | None:
         return None
     try:
         moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
+        moment = (moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)).astimezone(timezone.utc)
+    except (ValueError, OverflowError):
         return None
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
+    return moment if 1970 <= moment.year <= 9998 else None  # a damaged time is no time, not an overflow
 
 
 def _utc(moment: datetime | None) -> str:
@@ -183,29 +184,38 @@ def notify_type(record_type: str, data: Mapping[str, Any]) -> str:
     return "failure" if rest == "data_lost" else "warning" if rest == "stopped" else "info"
 
 
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _texts(value: Any) -> list[str]:
+    """The strings of a list (a stored record may hold anything where a list of strings belongs)."""
+    return [str(v) for v in value if isinstance(v, str | int) and not isinstance(v, bool)] if isinstance(value, list) else []
+
+
+def _text(value: Any, default: str = "") -> str:
+    return value if isinstance(value, str) and value else default
+
+
 def context(event: Mapping[str, Any], now: datetime) -> dict[str, Any]:
     """Everything a template may use, worked out from the record (``record``, ``data`` and the words)."""
-    data = event.get("data") if isinstance(event.get("data"), Mapping) else {}
-    assert isinstance(data, Mapping)
-    vm_data = data.get("Vm") if isinstance(data.get("Vm"), Mapping) else {}
-    assert isinstance(vm_data, Mapping)
-    vm = vm_data.get("Name") or vm_data.get("ComputerName") or str(event.get("source") or "this VM")
-    event_type = str(data.get("EventType") or "")
+    data = _mapping(event.get("data"))
+    vm_data = _mapping(data.get("Vm"))
+    vm = _text(vm_data.get("Name")) or _text(vm_data.get("ComputerName")) or _text(event.get("source"), "this VM")
+    event_type = _text(data.get("EventType"))
     what, meaning = EVENT_WORDS.get(event_type, (event_type or "Event", "see the event's Description"))
     not_before = _parse_time(data.get("NotBefore"))
-    event_id = str(data.get("EventId") or "")
-    resources = [str(r) for r in data.get("Resources") or [] if isinstance(r, str)]
-    affects = data.get("AffectsThisVm")
+    event_id = _text(data.get("EventId"))
+    resources = _texts(data.get("Resources"))
+    affects = data.get("AffectsThisVm") if isinstance(data.get("AffectsThisVm"), bool) else None
     if affects is False:
         scope = f"It affects {', '.join(resources) or 'other VMs'}, not {vm} itself."
     elif len(resources) > 1:
         scope = f"It affects {len(resources)} VMs: {', '.join(resources)}."
     else:
         scope = f"It affects {vm}."
-    evidence = data.get("Evidence") if isinstance(data.get("Evidence"), Mapping) else {}
-    assert isinstance(evidence, Mapping)
-    used = [EVIDENCE_WORDS.get(str(u), str(u)) for u in evidence.get("Used") or []]
-    record_type = str(event.get("type") or "")
+    used = [EVIDENCE_WORDS.get(u, u) for u in _texts(_mapping(data.get("Evidence")).get("Used"))]
+    record_type = _text(event.get("type"))
     return {
         "record": event,
         "data": data,
@@ -214,7 +224,7 @@ def context(event: Mapping[str, Any], now: datetime) -> dict[str, Any]:
         "vm": vm,
         "event_id": event_id,
         "event_type": event_type,
-        "event_source": str(data.get("EventSource") or "Platform"),
+        "event_source": _text(data.get("EventSource"), "Platform"),
         "what": what,
         "meaning": meaning,
         "when_utc": _utc(not_before),
@@ -223,8 +233,8 @@ def context(event: Mapping[str, Any], now: datetime) -> dict[str, Any]:
         "duration": _duration(data.get("DurationInSeconds")),
         "scope": scope,
         "action": _ACTIONS.get(event_type, _DEFAULT_ACTION).format(id=event_id),
-        "changed": ", ".join(str(f) for f in data.get("ChangedFields") or []) or "details",
-        "outcome": str(data.get("Outcome") or ""),
+        "changed": ", ".join(_texts(data.get("ChangedFields"))) or "details",
+        "outcome": _text(data.get("Outcome")),
         "evidence": ", ".join(used) or "none",
         "affects_this_vm": affects,
     }

@@ -78,10 +78,11 @@ class RecordFilter:
             data = {}
         if not isinstance(data, Mapping):
             data = {}
-        if self.event_types is not None and data.get("EventType") not in self.event_types:
+        event_type = data.get("EventType")
+        if self.event_types is not None and (not isinstance(event_type, str) or event_type not in self.event_types):
             return REASONS["event_types"]
         affects = data.get("AffectsThisVm")
-        if self.affects_this_vm is not None and affects is not None and bool(affects) != self.affects_this_vm:
+        if self.affects_this_vm is not None and isinstance(affects, bool) and affects != self.affects_this_vm:
             return REASONS["affects_this_vm"]
         return None
 
