@@ -4,6 +4,7 @@ restart) and are counted by reason in the dispatcher's figures, ``sefwd status``
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -116,6 +117,8 @@ def eventhubs_sink(tmp_path: Path, mp: pytest.MonkeyPatch) -> Iterator[tuple[dic
     from benchmarks.peers.eventhubs_peer import EventHubsPeer
 
     if (why := EventHubsPeer.available()) is not None:
+        if os.environ.get("SEFWD_REQUIRE_PEERS"):  # CI: a missing peer is a failure, not a skip
+            raise RuntimeError(f"the Event Hubs test peer is required here (SEFWD_REQUIRE_PEERS) but {why}")
         pytest.skip(f"Event Hubs peer unavailable: {why}")
     with EventHubsPeer(log=tmp_path / "peer.log") as peer:
         mp.setenv("SEFWD_TEST_EH_CONN", peer.connection_string())
