@@ -50,12 +50,13 @@ EVIDENCE_WORDS = {
 NOTIFY_TYPES = {"scheduled": "warning", "started": "warning", "updated": "info", "completed": "success",
                 "canceled": "info", "ended": "warning"}
 
-_EVENT_TITLE = "{{ what }} of {{ vm }}"
+_EVENT_TITLE = "{{ what }} of {{ subject }}"
 DEFAULTS: dict[str, dict[str, str]] = {
     "scheduled": {
         "title": _EVENT_TITLE + " scheduled {{ when_relative }}",
         "body": (
-            "{{ what }} of {{ vm }} is scheduled for {{ when_utc }} ({{ when_relative }}): {{ meaning }}."
+            "{{ what }} of {{ subject }} is scheduled{% if when_utc %} for {{ when_utc }} ({{ when_relative }}){% endif %}"
+            ": {{ meaning }}."
             "{% if duration %} Expected impact: about {{ duration }}.{% endif %}\n"
             "{{ scope }}\n"
             "What to do: {{ action }}\n"
@@ -65,7 +66,7 @@ DEFAULTS: dict[str, dict[str, str]] = {
     "started": {
         "title": _EVENT_TITLE + " started",
         "body": (
-            "{{ what }} of {{ vm }} started{% if when_utc %} (NotBefore was {{ when_utc }}){% endif %}: {{ meaning }}."
+            "{{ what }} of {{ subject }} started{% if when_utc %} (NotBefore was {{ when_utc }}){% endif %}: {{ meaning }}."
             "{% if duration %} Expected impact: about {{ duration }}.{% endif %}\n"
             "{{ scope }}\n"
             "The agent reports how it ends. Event {{ event_id }}."
@@ -74,7 +75,7 @@ DEFAULTS: dict[str, dict[str, str]] = {
     "updated": {
         "title": _EVENT_TITLE + " changed",
         "body": (
-            "{{ what }} of {{ vm }} changed: {{ changed }}."
+            "{{ what }} of {{ subject }} changed: {{ changed }}."
             "{% if when_utc %} It is now due {{ when_utc }} ({{ when_relative }}).{% endif %}\n"
             "{{ scope }}\n"
             "Event {{ event_id }}."
@@ -83,7 +84,7 @@ DEFAULTS: dict[str, dict[str, str]] = {
     "completed": {
         "title": _EVENT_TITLE + " completed",
         "body": (
-            "{{ what }} of {{ vm }} completed.\n"
+            "{{ what }} of {{ subject }} completed.\n"
             "Evidence: {{ evidence }}.\n"
             "Nothing to do unless the workload did not come back. Event {{ event_id }}."
         ),
@@ -91,7 +92,7 @@ DEFAULTS: dict[str, dict[str, str]] = {
     "canceled": {
         "title": _EVENT_TITLE + " canceled",
         "body": (
-            "{{ what }} of {{ vm }} was canceled before it ran.\n"
+            "{{ what }} of {{ subject }} was canceled before it ran.\n"
             "Evidence: {{ evidence }}.\n"
             "Nothing to do; put the VM back in rotation if you took it out. Event {{ event_id }}."
         ),
@@ -99,7 +100,7 @@ DEFAULTS: dict[str, dict[str, str]] = {
     "ended": {
         "title": _EVENT_TITLE + " ended (outcome unknown)",
         "body": (
-            "{{ what }} of {{ vm }} left the Scheduled Events document; the agent cannot tell whether it ran"
+            "{{ what }} of {{ subject }} left the Scheduled Events document; the agent cannot tell whether it ran"
             "{% if evidence != 'none' %} (evidence: {{ evidence }}){% endif %}.\n"
             "Check the VM and its workload. Event {{ event_id }}."
         ),
@@ -208,11 +209,15 @@ def context(event: Mapping[str, Any], now: datetime) -> dict[str, Any]:
     event_id = _text(data.get("EventId"))
     resources = _texts(data.get("Resources"))
     affects = data.get("AffectsThisVm") if isinstance(data.get("AffectsThisVm"), bool) else None
+    shown = ", ".join(resources[:3]) + (f" and {len(resources) - 3} more" if len(resources) > 3 else "")
     if affects is False:
-        scope = f"It affects {', '.join(resources) or 'other VMs'}, not {vm} itself."
+        subject = shown or "other VMs"
+        scope = f"Reported by {vm}, which it does not affect."
     elif len(resources) > 1:
+        subject = vm
         scope = f"It affects {len(resources)} VMs: {', '.join(resources)}."
     else:
+        subject = vm
         scope = f"It affects {vm}."
     used = [EVIDENCE_WORDS.get(u, u) for u in _texts(_mapping(data.get("Evidence")).get("Used"))]
     record_type = _text(event.get("type"))
@@ -222,6 +227,7 @@ def context(event: Mapping[str, Any], now: datetime) -> dict[str, Any]:
         "kind": record_kind(record_type),
         "kind_detail": record_type.partition(".")[2] or record_type,
         "vm": vm,
+        "subject": subject,
         "event_id": event_id,
         "event_type": event_type,
         "event_source": _text(data.get("EventSource"), "Platform"),
