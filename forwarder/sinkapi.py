@@ -32,6 +32,7 @@ BUILTIN_SINKS: dict[str, str] = {
     "loganalytics": "sinks.loganalytics:LogAnalyticsSink",
     "appinsights": "sinks.appinsights:AppInsightsSink",
     "eventgrid": "sinks.eventgrid:EventGridSink",
+    "notify": "sinks.notify:NotifySink",
 }
 
 

@@ -680,8 +680,29 @@ def op_install(henv: HandlerEnvironment, seq: int | None) -> str:
     return message
 
 
+# Sink options whose value is itself a secret (a token inside a URL): anyone who can read the VM model
+# reads publicSettings, so these may only name a variable of protectedSettings.env (or a file).
+PUBLIC_SECRET_OPTIONS = {"notify": ("urls", "urls_env")}
+
+
+def check_public_secrets(public: dict) -> None:
+    """Refuse a secret-bearing sink option written into publicSettings, naming where it belongs."""
+    sinks = public.get("sinks")
+    for index, sink in enumerate(sinks if isinstance(sinks, list) else []):
+        if not isinstance(sink, dict) or sink.get("type") not in PUBLIC_SECRET_OPTIONS:
+            continue
+        key, instead = PUBLIC_SECRET_OPTIONS[sink["type"]]
+        if key in sink:
+            raise HandlerError(
+                "publicSettings.sinks[{0}].{1}: {2} sink URLs hold tokens and publicSettings can be read from the VM "
+                "model; put them in protectedSettings.env (e.g. \"SEFWD_NOTIFY_URLS\": \"slack://... workflows://...\") "
+                "and set \"{3}\": \"SEFWD_NOTIFY_URLS\" instead (nothing was changed)".format(
+                    index, key, sink["type"], instead), E_SETTINGS)
+
+
 def op_enable(henv: HandlerEnvironment, seq: int | None) -> str:
     public, protected = read_settings(henv.config_folder, seq)
+    check_public_secrets(public)
     env = parse_protected(protected)
     service_env = dict(env)
     if report_heartbeat():  # the running agent refreshes the file waagent reads

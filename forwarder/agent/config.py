@@ -20,6 +20,7 @@ from typing import Any
 from forwarder.approval.config import parse_approval
 from forwarder.approval.settings import ApprovalConfig
 from forwarder.common.connection_strings import appinsights_problems
+from forwarder.delivery.filters import RecordFilter, filter_for
 from forwarder.errors import ConfigError
 from forwarder.common.http_server import parse_listen
 from forwarder.common.logs import redact
@@ -40,7 +41,7 @@ SUPPORTED_API_VERSIONS: tuple[str, ...] = (
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 # Sink types whose SDK ships as a pip extra of the same name.
 SINK_EXTRAS: dict[str, str] = {"eventhubs": "eventhubs", "loganalytics": "loganalytics", "appinsights": "appinsights",
-                               "eventgrid": "eventgrid"}
+                               "eventgrid": "eventgrid", "notify": "notify"}
 # IMDS throttles above 5 requests per second per VM; polls take at most 2 of them, leaving room
 # for approvals, instance metadata and managed-identity tokens.
 MIN_POLL_INTERVAL = 0.5
@@ -48,7 +49,8 @@ MAX_POLL_INTERVAL = 3600.0
 # The sink name becomes a directory under the state dir, so it must stay one plain path part.
 _SINK_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _API_VERSION = re.compile(r"^\d{4}-\d{2}-\d{2}(-preview)?$")
-_SECRET_WORDS = ("secret", "key", "password", "connection_string", "token", "authorization", "credential")
+_SECRET_WORDS = ("secret", "key", "password", "connection_string", "token", "authorization", "credential",
+                 "urls")  # notify: Apprise URLs embed tokens
 
 _USE_SYSTEM_PATH: Any = object()
 
@@ -134,6 +136,7 @@ class SinkConfig:
     name: str
     options: Mapping[str, Any]
     max_age: float | None = None  # older undelivered records go to dead letters; None = never
+    filter: RecordFilter | None = None  # which records this sink is sent (forwarder.delivery.filters); None = all
 
 
 @dataclass(frozen=True)
@@ -481,7 +484,7 @@ def _check_sink_options(index: int, sink: SinkConfig, problems: list[str]) -> No
     problems.extend(f"{where}: {p}" for p in found or ())
 
 
-SINK_COMMON_KEYS = ("type", "name", "max_age")
+SINK_COMMON_KEYS = ("type", "name", "max_age", "filter")
 
 
 def _parse_sinks(data: Mapping[str, Any], check_sinks: bool, problems: list[str]) -> tuple[SinkConfig, ...]:
@@ -529,7 +532,9 @@ def _parse_sinks(data: Mapping[str, Any], check_sinks: bool, problems: list[str]
                 max_age = duration(0.0, MAX_SINK_AGE, low_inclusive=False)(entry["max_age"])
             except ValueError as exc:
                 problems.append(f"sinks[{index}] ({name}): max_age {exc}")
-        sink = SinkConfig(type=type_name, name=name, options=options, max_age=max_age)
+        record_filter, filter_problems = filter_for(type_name, entry.get("filter"), f"sinks[{index}] ({name})")
+        problems.extend(filter_problems)
+        sink = SinkConfig(type=type_name, name=name, options=options, max_age=max_age, filter=record_filter)
         if check_sinks:
             _check_sink_options(index, sink, problems)
         sinks.append(sink)
@@ -659,6 +664,8 @@ def describe(config: Config) -> str:
     for sink in config.sinks:
         options = ", ".join(f"{k}={_show(k, v)}" for k, v in sink.options.items())
         lines.append(f"  {sink.name} (type {sink.type})" + (f": {options}" if options else ""))
+        if sink.filter is not None:
+            lines.append(f"    filter: {sink.filter.describe()}")
     approval = config.approval
     callback = approval.callback
     listen = "off" if callback is None else (

@@ -125,16 +125,28 @@ SINKS_DOC = (
     "could not be delivered for that long to dead letters. Every other key is an option of that sink type. "
     "Without any [[sinks]] the agent writes to stdout; relative paths in sink options are resolved by the sink, "
     "not by this file's location. The sinks below stdout and file are commented out: uncomment one and fill "
-    "in its required keys. No sink option has an environment override."
+    "in its required keys. No sink option has an environment override. Any sink may have a \"filter\" table: "
+    "record_types (scheduledevent, approval, forwarder, or exact types such as approval.refused), changes "
+    "(scheduled, started, updated, completed, canceled, ended), event_types (Reboot, Redeploy, Freeze, Preempt, "
+    "Terminate) and affects_this_vm (true/false); a record is sent only if it matches every key set (the last "
+    "three judge scheduled-event records only). Held-back records advance the sink's cursor and are counted in "
+    "sefwd status. The notify sink defaults to record_types = [\"scheduledevent\", \"approval\", "
+    "\"forwarder.stopped\", \"forwarder.data_lost\"]; filter = {} sends it everything."
 )
 
 # Built-in sinks in the order shown; the active ones are uncommented. Per option: an example value.
-SINK_ORDER = ("stdout", "file", "webhook", "eventhubs", "loganalytics", "appinsights", "eventgrid")
+SINK_ORDER = ("stdout", "file", "webhook", "eventhubs", "loganalytics", "appinsights", "eventgrid", "notify")
 ACTIVE_SINKS = {"stdout": "stdout", "file": "events-file"}
 SINK_NAMES = {"webhook": "hook", "eventhubs": "hub", "loganalytics": "logs", "appinsights": "insights",
-              "eventgrid": "grid"}
+              "eventgrid": "grid", "notify": "people"}
 SINK_EXTRAS = {"eventhubs": "eventhubs", "loganalytics": "loganalytics", "appinsights": "appinsights",
-               "eventgrid": "eventgrid"}
+               "eventgrid": "eventgrid", "notify": "notify"}
+# A filter table shown under a sink's options (what a chat channel wants).
+SINK_FILTERS: dict[str, dict[str, Any]] = {
+    "notify": {"record_types": ["scheduledevent", "approval.refused", "approval.failed", "forwarder.data_lost"],
+               "changes": ["scheduled", "started", "completed", "canceled", "ended"],
+               "event_types": ["Reboot", "Redeploy", "Preempt", "Terminate"]},
+}
 SINK_EXAMPLES: dict[str, dict[str, Any]] = {
     "stdout": {"pretty": False},
     "file": {"path": "/var/log/sefwd/events.jsonl", "max_size": "64MiB", "backups": 5, "fsync": False},
@@ -173,6 +185,12 @@ SINK_EXAMPLES: dict[str, dict[str, Any]] = {
         "key_env": "SEFWD_EVENTGRID_KEY", "key_file": "/etc/sefwd/eventgrid.key",
         "credential": "managed_identity", "client_id": "00000000-0000-0000-0000-000000000000",
         "max_batch": 100, "timeout": "10s", "ca_file": "/etc/sefwd/ca.pem",
+    },
+    "notify": {
+        "urls": ["workflows://prod-01.westus.logic.azure.com:443/WORKFLOW/SIGNATURE"],
+        "urls_env": "SEFWD_NOTIFY_URLS", "urls_file": "/etc/sefwd/notify.urls", "format": "text",
+        "templates": {"scheduled": {"title": "{{ what }} of {{ vm }} {{ when_relative }} ({{ when_utc }})"}},
+        "timeout": "15s", "insecure_http": False,
     },
 }
 
@@ -318,6 +336,9 @@ def _sinks() -> list[str]:
         for key, description in cls.OPTIONS.items():
             out += _comment(description[:1].upper() + description[1:] + ".", f"{lead}# ")
             out.append(f"{lead}{key} = {toml_value(examples[key])}")
+        if type_name in SINK_FILTERS:
+            out += _comment("Only what this sink's readers need (see filter above):", f"{lead}# ")
+            out.append(f"{lead}filter = {toml_value(SINK_FILTERS[type_name])}")
     return out
 
 

@@ -101,7 +101,8 @@ class Agent:
             maximum=cfg.delivery.retry_max,
             retry_after_cap=cfg.delivery.retry_after_cap,
         )
-        dispatcher = Dispatcher(store, sinks, backoff=backoff, max_age={s.name: s.max_age for s in cfg.sinks})
+        dispatcher = Dispatcher(store, sinks, backoff=backoff, max_age={s.name: s.max_age for s in cfg.sinks},
+                                filters={s.name: s.filter for s in cfg.sinks})
         dispatcher.start()
         return dispatcher
 

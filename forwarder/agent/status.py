@@ -182,6 +182,8 @@ def format_status(s: dict[str, Any]) -> str:
                 + (f" (oldest {oldest:.1f}s)" if oldest is not None else "")
                 + f", delivered {sk.get('delivered', 0)}, retries {sk.get('retries', 0)}, "
                 f"dead letters {s['dead_letters'].get(name, 0)}"
+                + (f", filtered {sk['filtered']} (" + ", ".join(f"{r} {n}" for r, n in sorted(sk.get("filtered_by_reason", {}).items()))
+                   + ")" if sk.get("filtered") else "")
                 + (f", last error {redact(str(sk['last_error']))}" if sk.get("last_error") else "")
             )
         if agent.get("data_lost"):

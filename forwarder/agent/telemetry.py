@@ -456,6 +456,11 @@ class Telemetry:
             return [Observation(n, {"sink": name, "reason": reason})
                     for name, v in sinks.items() for reason, n in (v.get("dead_by_reason") or {}).items()]
 
+        def filtered(options: CallbackOptions) -> list[Observation]:
+            sinks = self._snapshot().get("sinks") or {}
+            return [Observation(n, {"sink": name, "reason": reason})
+                    for name, v in sinks.items() for reason, n in (v.get("filtered_by_reason") or {}).items()]
+
         def lost(options: CallbackOptions) -> list[Observation]:
             store = self._snapshot().get("store") or {}
             return [Observation(n, {"sink": name, "reason": reason})
@@ -470,6 +475,8 @@ class Telemetry:
                                         "Failed sends that will be retried, per sink")
         meter.create_observable_counter("sefwd.sink.dead_letters", [dead_letters], "1",
                                         "Records moved to dead letters, per sink and reason")
+        meter.create_observable_counter("sefwd.sink.filtered", [filtered], "1",
+                                        "Records a sink's filter held back (cursor advanced, not sent), per sink and reason")
         meter.create_observable_counter("sefwd.sink.lost", [lost], "1",
                                         "Records lost from the store (size cap, damage; sink '*' = whole store), per reason")
         meter.create_observable_gauge("sefwd.sink.backlog", [per_sink("backlog")], "1",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from forwarder.common.logs import RateLimitedLog
 from forwarder.records import rfc3339, utcnow
 from forwarder.common.retry import Backoff
+from forwarder.delivery.filters import RecordFilter
 from forwarder.sinkapi import Ok, Record, Reject, Retry, Sink
 from forwarder.store.database import Entry, Store
 
@@ -32,6 +33,8 @@ class SinkStats:
     retries: int = 0
     dead_lettered: int = 0
     dead_by_reason: dict[str, int] = field(default_factory=dict)
+    filtered: int = 0  # held back by the sink's filter: the cursor passed them unsent
+    filtered_by_reason: dict[str, int] = field(default_factory=dict)
     last_error: str | None = None
     last_latency_ms: float | None = None
     pending_since_ms: int | None = None  # store time of the oldest record being delivered
@@ -45,8 +48,9 @@ class SinkWorker:
 
     def __init__(self, name: str, sink: Sink, store: Store, *, backoff: Backoff, halt: threading.Event,
                  max_age: float | None = None, clock: Callable[[], float] = time.time,
-                 stuck_after: float = STUCK_AFTER) -> None:
+                 stuck_after: float = STUCK_AFTER, record_filter: RecordFilter | None = None) -> None:
         self.name = name
+        self.record_filter = record_filter
         self.sink = sink
         self.store = store
         self.backoff = backoff
@@ -107,11 +111,25 @@ class SinkWorker:
                 if self.halt.wait(delay):
                     break
 
-    def _expired(self, entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+    def _expired(self, pairs: list[tuple[Entry, Record]]) -> tuple[list[tuple[Entry, Record]], list[Entry]]:
         if not self.max_age:
-            return entries, []
+            return pairs, []
         cutoff_ms = (self._clock() - self.max_age) * 1000
-        return [e for e in entries if e.appended_ms >= cutoff_ms], [e for e in entries if e.appended_ms < cutoff_ms]
+        return [p for p in pairs if p[0].appended_ms >= cutoff_ms], [e for e, _ in pairs if e.appended_ms < cutoff_ms]
+
+    def _filtered(self, pairs: list[tuple[Entry, Record]]) -> tuple[list[tuple[Entry, Record]], dict[str, int]]:
+        """The records this sink is to be sent, and how many its filter held back, by reason."""
+        if self.record_filter is None:
+            return pairs, {}
+        kept: list[tuple[Entry, Record]] = []
+        held: dict[str, int] = {}
+        for pair in pairs:
+            reason = self.record_filter.reason(pair[1])
+            if reason is None:
+                kept.append(pair)
+            else:
+                held[reason] = held.get(reason, 0) + 1
+        return kept, held
 
     def _commit(self, end: int, dead: Sequence[tuple[bytes, str, str]] = ()) -> None:
         """Advance the cursor (with any dead letters) durably; retried until it works or we halt."""
@@ -144,18 +162,23 @@ class SinkWorker:
         end = entries[-1].index + 1
         if self.stats.pending_since_ms is None:
             self.stats.pending_since_ms = entries[0].appended_ms
-        live, old = self._expired(entries)
-        dead = [(e.body, "max_age_exceeded", f"older than {self.max_age:g}s") for e in old]
-        readable = []
-        for e in live:
+        dead: list[tuple[bytes, str, str]] = []
+        parsed = []
+        for e in entries:
             try:
-                readable.append((e, Record.from_body(e.body)))
+                parsed.append((e, Record.from_body(e.body)))
             except (ValueError, KeyError, TypeError):  # damaged on disk: set aside and counted, not retried forever
                 dead.append((e.body, "record_damaged", "the stored record is not a readable CloudEvent"))
+        wanted, held = self._filtered(parsed)  # held back records advance the cursor unsent, never dead letters
+        readable, old = self._expired(wanted)
+        dead += [(e.body, "max_age_exceeded", f"older than {self.max_age:g}s") for e in old]
         if readable and not self._send(readable, dead):
             self.position = self.cursor  # halted mid-retry: read again from the cursor next time
             return
         self._commit(end, dead)
+        for reason, n in held.items():
+            self.stats.filtered_by_reason[reason] = self.stats.filtered_by_reason.get(reason, 0) + n
+            self.stats.filtered += n
         self.position = end
         self.stats.pending_since_ms = None
 
@@ -202,7 +225,8 @@ class Dispatcher:
 
     def __init__(self, store: Store, sinks: Mapping[str, Sink], *, backoff: Backoff | None = None,
                  max_age: Mapping[str, float | None] | None = None, stuck_after: float = STUCK_AFTER,
-                 supervise_every: float = SUPERVISE_EVERY) -> None:
+                 supervise_every: float = SUPERVISE_EVERY,
+                 filters: Mapping[str, RecordFilter | None] | None = None) -> None:
         self.store = store
         self.sinks = dict(sinks)
         store.sinks = tuple(self.sinks)
@@ -210,7 +234,7 @@ class Dispatcher:
         backoff = backoff or Backoff()
         self.workers = {
             name: SinkWorker(name, sink, store, backoff=backoff, halt=self.halt, max_age=(max_age or {}).get(name),
-                             stuck_after=stuck_after)
+                             stuck_after=stuck_after, record_filter=(filters or {}).get(name))
             for name, sink in self.sinks.items()
         }
         self._supervise_every = supervise_every
@@ -248,6 +272,8 @@ class Dispatcher:
                 "retries": w.stats.retries,
                 "dead_lettered": w.stats.dead_lettered,
                 "dead_by_reason": dict(w.stats.dead_by_reason),
+                "filtered": w.stats.filtered,
+                "filtered_by_reason": dict(w.stats.filtered_by_reason),
                 "lost": losses.get(name, {}),
                 "last_error": w.stats.last_error,
                 "last_latency_ms": w.stats.last_latency_ms,

@@ -706,3 +706,32 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def test_the_readme_notify_example_enables_with_its_urls_only_in_protected_settings(ext: Ext) -> None:
+    readme = (EXT_SRC / "README.md").read_text()
+    example = json.loads(readme.split("### Telling people", 1)[1].split("```json\n", 1)[1].split("```", 1)[0])
+    ext.settings(0, example["settings"], example["protectedSettings"])
+    _ok(ext.run("enable"))
+    assert "events, oncall" in ext.status(0)["formattedMessage"]["message"]
+    config = tomllib.loads(ext.config.read_text())
+    assert config == example["settings"] and config["sinks"][1]["filter"]["affects_this_vm"] is True
+    urls = example["protectedSettings"]["env"]["SEFWD_NOTIFY_URLS"]
+    assert source_env_file(ext.env_file)["SEFWD_NOTIFY_URLS"] == urls
+    assert "TIiajkdnlazkcOXrIdevi7FQ" not in ext.config.read_text()
+
+
+def test_notify_urls_in_public_settings_are_refused_without_echoing_them(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    good = ext.config.read_bytes()
+    leaky = {"sinks": [{"type": "file", "name": "events", "path": "/var/log/sefwd/events.jsonl"},
+                       {"type": "notify", "urls": ["discord://123456789012345678/T0KENthatShouldStayPrivate"]}]}
+    ext.settings(1, leaky)
+    proc = ext.run("enable", seq=1)
+    assert proc.returncode == 11
+    message = ext.status(1)["formattedMessage"]["message"]
+    assert "publicSettings.sinks[1].urls" in message and "protectedSettings.env" in message and "urls_env" in message
+    assert ext.config.read_bytes() == good
+    texts = [proc.stdout, proc.stderr, message, *(p.read_text() for p in ext.log_dir.iterdir())]
+    assert not any("T0KENthatShouldStayPrivate" in t for t in texts)

@@ -6,6 +6,7 @@ import tomllib
 
 from forwarder.agent.config import SECTIONS, parse_config
 from forwarder.agent.config_example import SINK_ORDER, render, shipped
+from forwarder.delivery.filters import parse_filter
 from forwarder.sinkapi import load_sink_factory
 
 
@@ -42,4 +43,6 @@ def test_each_commented_sink_passes_its_own_check_once_uncommented():
         entry = tomllib.loads("\n".join(lines))
         cls = load_sink_factory(entry.pop("type"))
         entry.pop("name")
+        if "filter" in entry:
+            assert parse_filter(entry.pop("filter"), "example")[1] == []
         assert set(entry) == set(cls.OPTIONS)
