@@ -81,6 +81,8 @@ class Run:
             "utcNow": lambda fmt=None: "Tue, 24 Nov 2026 12:00:00 GMT",
             "createArray": lambda *xs: list(xs),
             "join": lambda xs, sep: sep.join(str(x) for x in xs),
+            "replace": lambda text, old, new: str(text).replace(old, new),
+            "concat": lambda *parts: "".join(str(p) for p in parts),
         }
 
     def expression(self, text: str) -> Any:

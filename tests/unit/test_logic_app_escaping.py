@@ -40,9 +40,6 @@ def test_every_record_field_rendered_into_teams_html_is_escaped() -> None:
     assert len(bodies) == 3  # scheduled, first outcome, stronger outcome
     for path, template in bodies:
         run = Run({}, PARAMETERS)
-        # Two more Workflow Definition Language functions the messages use.
-        run.functions["replace"] = lambda text, old, new: str(text).replace(old, new)
-        run.functions["concat"] = lambda *parts: "".join(str(p) for p in parts)
         run.outputs["Record"] = _hostile_record()
         run.outputs["Outcome"] = HOSTILE
         run.bodies["Read_fleet_outcome"] = {"Outcome": HOSTILE}  # a stored row holds a reported claim too
