@@ -156,7 +156,7 @@ class ArmApprover:
         config.authentication_policy = ARMChallengeAuthenticationPolicy(credential, scope)
         self.endpoint = endpoint.rstrip("/")
         self._timeout = timeout
-        self._client = ARMPipelineClient(base_url=self.endpoint, config=config, **transport)
+        self._client: ARMPipelineClient[Any, Any] = ARMPipelineClient(base_url=self.endpoint, config=config, **transport)
 
     def close(self) -> None:
         self._client.close()
