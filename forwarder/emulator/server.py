@@ -533,7 +533,12 @@ class Emulator:
         if self.arm_tls is not None:
             from forwarder.emulator.arm import ArmServer
 
-            self._arm = ArmServer((self.host, self.arm_port), self, *self.arm_tls)
+            try:
+                self._arm = ArmServer((self.host, self.arm_port), self, *self.arm_tls)
+            except OSError:
+                self._server.stop()  # nothing half-started
+                self._server = None
+                raise
             self.arm_port = self._arm.port
             self._arm.start("arm-emulator", poll_interval=0.1)
         self.platform.timeline.start()

@@ -149,3 +149,32 @@ def test_without_a_certificate_there_is_no_arm_side():
         with pytest.raises(RuntimeError, match="arm_tls"):
             emulator.arm_url  # noqa: B018 - the property raises
         assert "arm_requests" not in emulator.stats()
+
+
+def test_sefwd_emulator_serves_arm_with_arm_tls(certs, tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from tests.agent import ROOT
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "forwarder", "emulator", "--listen", "127.0.0.1:0", "--vm", "vm-0",
+                             "--arm-tls", str(certs.cert), str(certs.key)], stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=str(ROOT))
+    try:
+        assert proc.stderr is not None
+        lines = []
+        while not any("Azure Resource Manager at" in line for line in lines):
+            lines.append(proc.stderr.readline())
+            assert lines[-1], f"the emulator exited: {lines}"
+        arm = re.search(r"Azure Resource Manager at (https://127\.0\.0\.1:\d+) ", lines[-1])
+        assert arm and any("IMDS emulator at http://127.0.0.1:" in line for line in lines)
+        answer = requests.post(arm.group(1) + "/subscriptions/s/resourcegroups/rg/providers/Microsoft.Compute/"
+                               "virtualMachines/vm-0/providers/Microsoft.Maintenance/scheduledevents/E/acknowledge",
+                               params={"api-version": VERSION}, verify=str(certs.ca), timeout=5)
+        assert answer.status_code == 401 and answer.json()["error"]["code"] == "AuthenticationFailed"
+    finally:
+        proc.terminate()
+        assert proc.wait(30) == 0
