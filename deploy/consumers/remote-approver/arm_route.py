@@ -21,12 +21,11 @@ import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from decide import ALL_EVENT_TYPES, Deduper, OutcomeFolder, Policy, dedupe_key, should_approve
-from pipeline import APP_DIR, _flag, secret_problem
+from decide import Deduper, OutcomeFolder, Policy, dedupe_key, should_approve
+from pipeline import _flag, approver_name, ca_bundle_setting, policy_and_webhook_secrets, positive_numbers
 
 log = logging.getLogger(__name__)
 
@@ -123,44 +122,19 @@ class ArmSettings:
         endpoint = env.get("ARM_ENDPOINT", "").strip().rstrip("/") or DEFAULT_ENDPOINT
         if not endpoint.lower().startswith("https://"):
             problems.append(f"ARM_ENDPOINT must be https:// (bearer tokens never go over plain HTTP), got {endpoint!r}")
-        webhook_secrets = tuple(env.get("SEFWD_WEBHOOK_SECRET", "").split())
-        for position, value in enumerate(webhook_secrets, 1):
-            problem = secret_problem(value)
-            if problem:
-                problems.append(f"SEFWD_WEBHOOK_SECRET: secret #{position} {problem}")
-        try:
-            policy = Policy.from_settings(env)
-        except ValueError as exc:
-            problems.append(f"MAX_FREEZE_SECONDS: {exc}")
-            policy = Policy()
-        unknown = sorted(policy.event_types - ALL_EVENT_TYPES)
-        if unknown:
-            problems.append(f"APPROVE_EVENT_TYPES: unknown event types {unknown} (known: {sorted(ALL_EVENT_TYPES)})")
-        numbers: dict[str, float] = {}
-        for name, default, minimum in (("ARM_RETRIES", 4.0, 0.0), ("ARM_TIMEOUT_SECONDS", 10.0, 0.001)):
-            try:
-                numbers[name] = float(env.get(name, "") or default)
-                if numbers[name] < minimum:
-                    raise ValueError(f"must be at least {minimum:g}")
-            except ValueError as exc:
-                problems.append(f"{name}: {exc}")
-                numbers[name] = default
-        ca_bundle = env.get("ARM_CA_BUNDLE", "").strip()
-        if ca_bundle:
-            ca_bundle = str(APP_DIR / ca_bundle) if not Path(ca_bundle).is_absolute() else ca_bundle
-            if not Path(ca_bundle).is_file():
-                problems.append(f"ARM_CA_BUNDLE: no file {ca_bundle}")
+        policy, webhook_secrets = policy_and_webhook_secrets(env, problems)
+        numbers = positive_numbers(env, (("ARM_RETRIES", 4.0), ("ARM_TIMEOUT_SECONDS", 10.0)), problems,
+                                   zero_ok=("ARM_RETRIES",))
+        ca_bundle = ca_bundle_setting(env, "ARM_CA_BUNDLE", problems)
         if problems:
             raise ValueError("remote approver settings (APPROVAL_ROUTE=arm): " + "; ".join(problems))
-        site = env.get("WEBSITE_SITE_NAME", "").strip()
         return cls(
             policy=policy, webhook_secrets=webhook_secrets, endpoint=endpoint,
             scope=env.get("ARM_SCOPE", "").strip() or DEFAULT_SCOPE, retries=int(numbers["ARM_RETRIES"]),
             timeout=numbers["ARM_TIMEOUT_SECONDS"],
             managed_identity_client_id=env.get("AZURE_CLIENT_ID", "").strip() or None,
             verify=ca_bundle or True,
-            approver_name=env.get("APPROVER_NAME", "").strip() or (f"azure-function:{site}" if site else "remote-approver"),
-            dry_run=_flag(env.get("DRY_RUN")),
+            approver_name=approver_name(env), dry_run=_flag(env.get("DRY_RUN")),
         )
 
 
