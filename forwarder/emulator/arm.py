@@ -186,7 +186,8 @@ class _ArmHandler(QuietHandler):
         fault = emu.faults.take(resource_name, "arm", method)
         if fault is not None and self._apply_fault(emu, fault):
             return
-        if not self._authorized():
+        identity = self._authenticated()
+        if identity is None:
             return
         if match is None:
             self._fail(404, "NotFound", f"The requested path {url.path!r} is not an ARM route this emulator serves.")
@@ -215,6 +216,12 @@ class _ArmHandler(QuietHandler):
                        "VirtualMachineScaleSets, AvailabilitySets.")
             return
         sub, rg, name = unquote(match["sub"]), unquote(match["rg"]), segments[1]
+        resource = f"/subscriptions/{sub}/resourceGroups/{rg}/providers/Microsoft.Compute/{rtype}/{name}"
+        if not self._granted(identity, resource):
+            self._fail(403, "AuthorizationFailed", f"The client '{identity}' does not have authorization to perform "
+                       "action 'Microsoft.Maintenance/scheduledevents/acknowledge/action' over scope "
+                       f"'{resource}' or the scope is invalid.")
+            return
         key = (rtype.lower(), sub.lower(), rg.lower(), name.lower())
         with emu.platform.lock:
             members = [vm.name for vm in emu.platform.vms.values() if key in arm_keys(vm)]
@@ -271,26 +278,36 @@ class _ArmHandler(QuietHandler):
             problem = platform.approve(vm, newest, [ev.id], None, via="arm")
         return problem
 
-    def _authorized(self) -> bool:
+    def _granted(self, identity: str, resource: str) -> bool:
+        grants = self.server.emulator.arm_grants
+        if grants is None:
+            return True
+        target = resource.lower()
+        scopes = (scope.rstrip("/").lower() for scope in grants.get(identity, ()))
+        return any(target == scope or target.startswith(scope + "/") for scope in scopes)
+
+    def _authenticated(self) -> str | None:
+        """The identity (VM name) behind a valid ARM bearer token; None after answering 401."""
         emu = self.server.emulator
         header = self.headers.get("Authorization") or ""
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             self._fail(401, "AuthenticationFailed", "Authentication failed. The 'Authorization' header is missing.",
                        headers=[("WWW-Authenticate", _WWW_AUTHENTICATE)])
-            return False
+            return None
         with emu.platform.lock:
-            audience = emu.platform.issued_tokens.get(token.strip())
-        if audience is None:
+            issued = emu.platform.issued_tokens.get(token.strip())
+        if issued is None:
             self._fail(401, "InvalidAuthenticationToken", "The access token is invalid.",
                        headers=[("WWW-Authenticate", _WWW_AUTHENTICATE)])
-            return False
+            return None
+        audience, identity = issued
         if audience not in ARM_AUDIENCES:
             self._fail(401, "InvalidAuthenticationTokenAudience", "The access token has been obtained for wrong "
                        "audience or resource. It should exactly match one of the allowed audiences "
                        f"{', '.join(sorted(ARM_AUDIENCES))}.", headers=[("WWW-Authenticate", _WWW_AUTHENTICATE)])
-            return False
-        return True
+            return None
+        return identity
 
     def _apply_fault(self, emu: Emulator, fault: Any) -> bool:
         """True if the fault answered (or dropped) the request; a ``slow`` fault only delays it."""

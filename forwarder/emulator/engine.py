@@ -96,7 +96,8 @@ class Platform:
         self.token_rate_limit = token_rate_limit
         self.token_concurrency = token_concurrency
         self._tokens_in_flight: dict[str, int] = {}
-        self.issued_tokens: dict[str, str] = {}  # access token -> its audience (checked by the ARM side)
+        # access token -> (audience, the VM whose managed identity got it): checked by the ARM side
+        self.issued_tokens: dict[str, tuple[str, str]] = {}
         self.timeline = Timeline()
         self.finished = threading.Event()
         self.events: dict[str, Event] = {}

@@ -6,7 +6,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -401,7 +401,7 @@ class _Handler(QuietHandler):
         now = int(time.time())
         with emu.platform.lock:
             serial = emu.platform.token_requests + 1
-            emu.platform.issued_tokens[f"emulator-token.{vm}.{serial}"] = resource
+            emu.platform.issued_tokens[f"emulator-token.{vm}.{serial}"] = (resource, vm)
         token = {
             "access_token": f"emulator-token.{vm}.{serial}",
             "client_id": emu.platform.vms[vm].vm_id,
@@ -495,6 +495,7 @@ class Emulator:
         etag: bool = False,
         arm_tls: tuple[str | Path, str | Path] | None = None,
         arm_port: int = 0,
+        arm_grants: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must not be negative, got {time_scale!r}")
@@ -521,6 +522,10 @@ class Emulator:
         # given a certificate and key (forwarder.emulator.arm).
         self.arm_tls = arm_tls
         self.arm_port = arm_port
+        # Azure RBAC, reduced to what the acknowledgement needs: identity (the VM whose managed
+        # identity got the token) -> scopes (resource ID prefixes) where it holds
+        # Microsoft.Maintenance/scheduledevents/acknowledge/action. None: every identity everywhere.
+        self.arm_grants = {who: tuple(scopes) for who, scopes in arm_grants.items()} if arm_grants is not None else None
         self._arm: ArmServer | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -130,3 +130,12 @@ def test_usage_errors_exit_2_before_any_request(emu, certs, tmp_path, args, prob
     out = approve(emu, certs, tmp_path, "EV", *args)
     assert out.returncode == 2 and problem in out.stderr and out.stdout == ""
     assert "arm_requests" not in emu.stats() or emu.stats()["arm_requests"] == []
+
+
+def test_an_identity_without_the_role_on_the_resource_is_refused_with_403(emu, certs, tmp_path):
+    event = emu.schedule(resources=["vm-0"])
+    emu.arm_grants = {emu.default_vm: (resource_id(emu, "ss_3").rpartition("/virtualMachines/")[0],)}  # the scale set only
+    out = approve(emu, certs, tmp_path, event, "--resource-id", resource_id(emu, "vm-0"))
+    assert out.returncode == 1
+    assert out.stdout.startswith(f"refused {event}: not_authorized: HTTP 403 AuthorizationFailed")
+    assert event_status(emu, event) == "Scheduled"

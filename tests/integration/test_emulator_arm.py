@@ -178,3 +178,19 @@ def test_sefwd_emulator_serves_arm_with_arm_tls(certs, tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(30) == 0
+
+
+def test_rbac_grants_limit_each_identity_to_its_scopes(emu, certs):
+    event_a, event_b = emu.schedule(resources=["vm-0"]), emu.schedule(resources=["vm-1"])
+    group = resource_id(emu, "vm-0").rpartition("/providers/")[0]  # /subscriptions/S/resourceGroups/RG
+    emu.arm_grants = {"vm-0": (resource_id(emu, "vm-1").upper(),), "vm-1": (group + "-other",)}
+    denied = post(emu, certs, ack_path(emu, "vm-0", event_a), bearer=token(emu, vm="vm-0"))
+    assert denied.status_code == 403 and denied.json()["error"]["code"] == "AuthorizationFailed"
+    assert "Microsoft.Maintenance/scheduledevents/acknowledge/action" in denied.json()["error"]["message"]
+    # A prefix of the name is no scope: "…/resourceGroups/RG-other" does not cover "…/resourceGroups/RG".
+    assert post(emu, certs, ack_path(emu, "vm-1", event_b), bearer=token(emu, vm="vm-1")).status_code == 403
+    assert event_status(emu, event_a) == event_status(emu, event_b) == "Scheduled"
+    assert post(emu, certs, ack_path(emu, "vm-1", event_b), bearer=token(emu, vm="vm-0")).status_code == 200
+    emu.arm_grants = {"vm-1": (group,)}  # the role on the resource group
+    assert post(emu, certs, ack_path(emu, "vm-0", event_a), bearer=token(emu, vm="vm-1")).status_code == 200
+    assert event_status(emu, event_a) == event_status(emu, event_b) == "Started"
