@@ -147,6 +147,8 @@ class RecordFactory:
             )
             if change.outcome is not None:
                 data.update(change.outcome.to_data())
+            if change.early_start is not None:
+                data["EarlyStart"] = dict(change.early_start)
             envelope = self._envelope(rid, EVENT_TYPE_PREFIX + change.kind, event.event_id, data, when)
             envelope["eventkey"] = event_key(change)
             out.append(self._record(envelope))

@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                  "Ask IMDS to start scheduled events now, within [approval] scope; every attempt "
                  "becomes an approval.* record. The result is printed on stdout.",
                  "  sefwd approve 602d9444-d2cd-49c7-8624-8643e7171297 --reason 'drained'\n"
-                 "  sefwd approve ID1 ID2 --scope any --json",
+                 "  sefwd approve ID1 ID2 --scope any --json\n"
+                 "  sefwd approve ID --via arm --resource-id /subscriptions/S/resourceGroups/RG/providers/"
+                 "Microsoft.Compute/virtualMachines/VM",
                  "exit codes: 0 approved, 1 refused or failed, 2 config error, 130 Ctrl-C")
     _add_config_arg(p)
     p.add_argument("event_ids", nargs="+", metavar="EVENT_ID")
@@ -115,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scope", choices=("self", "leader", "any", "self_or_leader"),
                    help="override [approval] scope for this approval (say 'any' to approve an event of several VMs from a non-leader)")
     p.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    from forwarder.agent.approve_arm import add_arguments as add_arm_arguments
+
+    add_arm_arguments(p)
 
     p = _command(sub, "status", "backlog, dead letters and last poll per sink, current events",
                  "Read the agent's state dir (works with the agent up or down) and say whether it runs "
@@ -355,6 +360,13 @@ def _demo_counts(agent: Agent, emulator: Emulator) -> tuple[int, int]:
 
 def cmd_approve(args: argparse.Namespace) -> int:
     import getpass
+
+    from forwarder.agent.approve_arm import check_arguments, cmd_approve_arm
+
+    if args.via == "arm":  # from any machine with Azure credentials: no config, no IMDS
+        _setup_logging(args, "warning")
+        return cmd_approve_arm(args)
+    check_arguments(args)
 
     import orjson
 

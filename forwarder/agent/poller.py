@@ -145,6 +145,8 @@ class Poller:
         self._errors.clear("document")
         now = self._wall()
         changes = diff(self.current, document, now, self.evidence.context(now, self.factory.vm.names()))
+        self.evidence.approval_seen_elsewhere(
+            [c.event.event_id for c in changes if c.early_start and c.early_start["ApprovedBy"] == "elsewhere"], now)
         built: list[Record] = []
 
         def build() -> list[Record]:

@@ -57,6 +57,10 @@ def register(subparsers: Any, prog: str | None = None) -> None:
     p.add_argument("--terminate-notice", default=None, metavar="DURATION",
                    help='NotBefore notice of Terminate events (5m to 15m; default "5m")')
     p.add_argument("--etag", action="store_true", help="send ETag and answer If-None-Match with 304")
+    p.add_argument("--arm-tls", nargs=2, metavar=("CERT", "KEY"),
+                   help="also serve Azure Resource Manager scheduled-event acknowledgement over HTTPS with this "
+                        "certificate and key (PEM), on the --listen host")
+    p.add_argument("--arm-port", type=int, default=0, metavar="PORT", help="with --arm-tls: its port (default: any free)")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit 0 once the scenario's last step ran and its events are gone")
     csub = p.add_subparsers(dest="emulator_command", title="control a running emulator (optional)",
@@ -168,6 +172,13 @@ def run(args: argparse.Namespace) -> int:
             timings[key] = parse_duration(value) if value is not None else None
         except ValueError as exc:
             problems.append(f"--{key.replace('_', '-')}: {exc}")
+    if args.arm_tls:
+        from forwarder.common.http_server import tls_server_context
+
+        try:
+            tls_server_context(*args.arm_tls)
+        except OSError as exc:  # ssl.SSLError included; never the files' content
+            problems.append(f"--arm-tls: cannot load the certificate and key: {exc.strerror or type(exc).__name__}")
     if problems:
         raise ConfigError(problems)
     _setup_logging(getattr(args, "log_level", None))
@@ -180,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         emulator = Emulator(host, port, scenario=args.scenario, vms=args.vms, rate_limit=args.rate_limit or None,
                             time_scale=args.time_scale, first_call_delay=timings["first_call_delay"],
-                            terminate_notice=timings["terminate_notice"], etag=args.etag)
+                            terminate_notice=timings["terminate_notice"], etag=args.etag,
+                            arm_tls=tuple(args.arm_tls) if args.arm_tls else None, arm_port=args.arm_port)
         try:
             emulator.start()
         except OSError as exc:  # a busy port, a missing permission: one line, not a traceback
@@ -189,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"IMDS emulator at {emulator.url} (default VM {emulator.default_vm}; "
                   f"others at {emulator.url}/vm/<name>; control API {emulator.url}/_emulator/state)",
                   file=sys.stderr, flush=True)
+            if args.arm_tls:
+                print(f"Azure Resource Manager at {emulator.arm_url} (tokens from {emulator.url}"
+                      "/metadata/identity/oauth2/token)", file=sys.stderr, flush=True)
             while not stop.is_set():
                 if args.exit_when_finished and emulator.finished.is_set():
                     log.info("scenario finished, exiting")

@@ -96,6 +96,8 @@ class Platform:
         self.token_rate_limit = token_rate_limit
         self.token_concurrency = token_concurrency
         self._tokens_in_flight: dict[str, int] = {}
+        # access token -> (audience, the VM whose managed identity got it): checked by the ARM side
+        self.issued_tokens: dict[str, tuple[str, str]] = {}
         self.timeline = Timeline()
         self.finished = threading.Event()
         self.events: dict[str, Event] = {}
@@ -339,13 +341,14 @@ class Platform:
                 self._arm_completion(ev)
             self._bump("updated", ev.id)
 
-    def approve(self, vm: str, version: str, event_ids: list[str], incarnation: object) -> str | None:
-        """Handle a POST StartRequests; returns an error message for a 400, else None."""
+    def approve(self, vm: str, version: str, event_ids: list[str], incarnation: object, *,
+                via: str = "imds") -> str | None:
+        """Handle a POST StartRequests (``via`` "arm": an ARM acknowledgement); an error message for a 400, else None."""
         with self.lock:
             by_key = {ev.id.lower(): ev for ev in self.events.values() if ev.visible_in(version)}
             unknown = [i for i in event_ids if i.lower() not in by_key]
             self.start_requests.append({"vm": vm, "event_ids": list(event_ids), "api_version": version,
-                                        "document_incarnation": incarnation, "accepted": not unknown,
+                                        "document_incarnation": incarnation, "accepted": not unknown, "via": via,
                                         "time": self.clock().isoformat()})
             if unknown:
                 return f"Bad request. Unknown EventId: {', '.join(unknown)}"

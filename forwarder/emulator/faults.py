@@ -26,7 +26,7 @@ from forwarder.common.values import parse_duration, parse_size
 FAULT_KINDS = ("status", "slow", "hang", "drop", "malformed", "html", "drip", "interim", "oversized", "nested",
                "out_of_range")
 SHAPING_KINDS = frozenset({"drip", "oversized", "nested", "out_of_range"})  # applied to the answer's bytes
-FAULT_PATHS = ("scheduledevents", "instance", "token", "versions", "any")
+FAULT_PATHS = ("scheduledevents", "instance", "token", "versions", "arm", "any")  # arm: its vm = resource name
 FAULT_KEYS = frozenset({"kind", "count", "status", "retry_after", "delay", "vm", "path", "method",
                         "size", "chunked", "depth", "statuses", "field"})
 OUT_OF_RANGE_FIELDS = ("incarnation", "duration", "not_before", "all")

@@ -211,6 +211,8 @@ class VmProfile:
     vm_size: str = "Standard_D2s_v5"
     os_type: str = "Linux"
     tags: dict[str, str] = field(default_factory=dict)
+    # Not in instance metadata: the availability set ARM knows the VM by (forwarder.emulator.arm).
+    availability_set: str = ""
 
     def __post_init__(self) -> None:
         # Scale-set instances are named <scaleset>_<instanceId> (FACTS); derive the rest like Azure does.

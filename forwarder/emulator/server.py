@@ -6,15 +6,18 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import orjson
 
 from forwarder.emulator.engine import Clock, Platform
+
+if TYPE_CHECKING:
+    from forwarder.emulator.arm import ArmServer
 from forwarder.emulator.faults import SHAPING_KINDS, Fault, FaultQueue
 from forwarder.emulator.model import (
     INSTANCE_VERSIONS, MIN_COMPUTE_VERSION, MIN_NOTICE, MIN_TOKEN_VERSION, SE_VERSIONS, SpecError, VmProfile,
@@ -398,6 +401,7 @@ class _Handler(QuietHandler):
         now = int(time.time())
         with emu.platform.lock:
             serial = emu.platform.token_requests + 1
+            emu.platform.issued_tokens[f"emulator-token.{vm}.{serial}"] = (resource, vm)
         token = {
             "access_token": f"emulator-token.{vm}.{serial}",
             "client_id": emu.platform.vms[vm].vm_id,
@@ -489,6 +493,9 @@ class Emulator:
         first_call_delay: float | None = None,
         terminate_notice: float | None = None,
         etag: bool = False,
+        arm_tls: tuple[str | Path, str | Path] | None = None,
+        arm_port: int = 0,
+        arm_grants: Mapping[str, Iterable[str]] | None = None,
     ) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must not be negative, got {time_scale!r}")
@@ -511,6 +518,15 @@ class Emulator:
         self.platform.on_fault_step = lambda spec: self.inject_fault(**spec)  # type: ignore[method-assign]
         self.stop_event = threading.Event()
         self._server: _Server | None = None
+        # Azure Resource Manager (scheduled-event acknowledgement) on its own HTTPS listener, when
+        # given a certificate and key (forwarder.emulator.arm).
+        self.arm_tls = arm_tls
+        self.arm_port = arm_port
+        # Azure RBAC, reduced to what the acknowledgement needs: identity (the VM whose managed
+        # identity got the token) -> scopes (resource ID prefixes) where it holds
+        # Microsoft.Maintenance/scheduledevents/acknowledge/action. None: every identity everywhere.
+        self.arm_grants = {who: tuple(scopes) for who, scopes in arm_grants.items()} if arm_grants is not None else None
+        self._arm: ArmServer | None = None
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -519,6 +535,17 @@ class Emulator:
         self._server = _Server((self.host, self.port), self)
         self.port = self._server.port
         self._server.start("imds-emulator", poll_interval=0.1)
+        if self.arm_tls is not None:
+            from forwarder.emulator.arm import ArmServer
+
+            try:
+                self._arm = ArmServer((self.host, self.arm_port), self, *self.arm_tls)
+            except OSError:
+                self._server.stop()  # nothing half-started
+                self._server = None
+                raise
+            self.arm_port = self._arm.port
+            self._arm.start("arm-emulator", poll_interval=0.1)
         self.platform.timeline.start()
         log.debug("IMDS emulator listening on %s (default VM %s)", self.url, self.platform.default_vm)  # `sefwd emulator` prints it
         if self.scenario is not None:
@@ -532,6 +559,9 @@ class Emulator:
         if self._server is not None:
             self._server.stop()
         self._server = None
+        if self._arm is not None:
+            self._arm.stop()
+        self._arm = None
 
     def __enter__(self) -> Emulator:
         return self.start()
@@ -543,6 +573,13 @@ class Emulator:
     def url(self) -> str:
         """Base URL of the default VM (``http://127.0.0.1:PORT``); append ``/metadata/...``."""
         return f"http://{host_port_text(self.host, self.port)}"
+
+    @property
+    def arm_url(self) -> str:
+        """Base URL of the Azure Resource Manager side (``https://127.0.0.1:PORT``); needs ``arm_tls``."""
+        if self._arm is None:
+            raise RuntimeError("the emulator serves ARM only when started with arm_tls=(cert, key)")
+        return self._arm.base_url
 
     def vm_url(self, name: str) -> str:
         """Base URL of one VM (``{url}/vm/<name>``); the VM is created if it does not exist yet."""
@@ -608,6 +645,9 @@ class Emulator:
         snap = self.platform.snapshot()
         snap["url"] = self.url
         snap["faults_pending"] = self.faults.pending()
+        if self._arm is not None:
+            with self._arm.lock:
+                snap["arm_requests"] = [dict(r) for r in self._arm.log]
         return snap
 
     def reset(self) -> None:

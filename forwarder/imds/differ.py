@@ -1,13 +1,14 @@
 """Compare two documents and say what changed: a pure function, no I/O, no clock of its own."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 from datetime import datetime
 
 from forwarder.imds.document import Document, Event
 from forwarder.imds.outcome import CANCELED as OUTCOME_CANCELED
 from forwarder.imds.outcome import COMPLETED as OUTCOME_COMPLETED
-from forwarder.imds.outcome import EvidenceContext, Outcome, decide, unseen_states
+from forwarder.imds.outcome import EvidenceContext, Outcome, decide, early_start, unseen_states
 
 SCHEDULED = "scheduled"
 STARTED = "started"
@@ -36,6 +37,7 @@ class Change:
     removal_reason: str | None = None
     initial: bool = False
     outcome: Outcome | None = None  # terminal changes: the decision and its evidence
+    early_start: dict[str, Any] | None = None  # started changes: data.EarlyStart (outcome.early_start)
 
     @property
     def previous_status(self) -> str | None:
@@ -86,9 +88,14 @@ def diff(previous: Document | None, current: Document, now: datetime,
             changes.append(Change(UPDATED, event, old, fields))
     present = {e.event_id for e in current.events}
     gone = [old for old in previous.events if old.event_id not in present]
+    context = evidence or EvidenceContext(now=now)
+    unseen = unseen_states(previous.incarnation, current.incarnation, len(changes) + len(gone))
+    for i, change in enumerate(changes):
+        if change.kind == STARTED and change.previous is not None:
+            early = early_start(change.previous, change.event, context, unseen)
+            if early is not None:
+                changes[i] = replace(change, early_start=early)
     if gone:
-        context = evidence or EvidenceContext(now=now)
-        unseen = unseen_states(previous.incarnation, current.incarnation, len(changes) + len(gone))
         for old in gone:
             outcome = decide(old, context, unseen)
             kind = _KIND_OF_OUTCOME.get(outcome.outcome, GONE)

@@ -98,6 +98,8 @@ class EvidenceTracker:
         # This process saw the current document itself: no boot can lie in between.
         self.seen_in_process = False
         self.approvals: dict[str, datetime] = dict(approvals or {})
+        # Events seen starting early without this agent's approval (outcome.APPROVED_ELSEWHERE).
+        self.approved_elsewhere: dict[str, datetime] = {}
         self.pause_seconds = 0.0
         self._last: tuple[float, datetime] | None = None  # clocks at the start of the last good poll
         self._overslept = 0.0  # sleep beyond what was asked, since that poll
@@ -155,14 +157,19 @@ class EvidenceTracker:
     def approval_accepted(self, event_ids: Iterable[str], at: datetime) -> None:
         for event_id in event_ids:
             self.approvals.setdefault(event_id.lower(), at)
-        if len(self.approvals) > MAX_APPROVALS:
-            keep = sorted(self.approvals.items(), key=lambda kv: kv[1])[-MAX_APPROVALS:]
-            self.approvals = dict(keep)
+        self.approvals = _newest(self.approvals)
+
+    def approval_seen_elsewhere(self, event_ids: Iterable[str], at: datetime) -> None:
+        """These events started early without an approval of this agent (``outcome.early_start``)."""
+        for event_id in event_ids:
+            self.approved_elsewhere.setdefault(event_id.lower(), at)
+        self.approved_elsewhere = _newest(self.approved_elsewhere)
 
     def context(self, now: datetime, vm_names: Iterable[str]) -> EvidenceContext:
         return EvidenceContext(now=now, approvals=dict(self.approvals), rebooted=self.rebooted,
                                rebooted_by=self.rebooted_by, pause_seconds=self.pause_seconds,
-                               vm_names=frozenset(n.lower() for n in vm_names if n))
+                               vm_names=frozenset(n.lower() for n in vm_names if n),
+                               approved_elsewhere=dict(self.approved_elsewhere))
 
     def document_seen(self, at: float) -> bool:
         """This process saw the saved document again (an unchanged poll); True the first time.
@@ -187,6 +194,26 @@ class EvidenceTracker:
         self.seen_at = at
 
 
+def _newest(moments: dict[str, datetime]) -> dict[str, datetime]:
+    """At most ``MAX_APPROVALS`` entries, the oldest dropped (an event lives hours at most)."""
+    if len(moments) <= MAX_APPROVALS:
+        return moments
+    return dict(sorted(moments.items(), key=lambda kv: kv[1])[-MAX_APPROVALS:])
+
+
+def _moments(items: object) -> dict[str, datetime]:
+    """A saved ``{EventId: RFC 3339}`` map; unreadable entries are dropped (they only weaken evidence)."""
+    out: dict[str, datetime] = {}
+    for key, value in (items.items() if isinstance(items, dict) else ()):
+        try:
+            moment = datetime.fromisoformat(str(value))
+        except ValueError:
+            continue
+        if isinstance(key, str) and moment.tzinfo is not None:
+            out[key.lower()] = moment
+    return out
+
+
 def evidence_to_dict(tracker: EvidenceTracker) -> dict[str, Any]:
     """What must survive a restart: the boot the last document was seen at, and accepted approvals."""
     return {
@@ -195,6 +222,7 @@ def evidence_to_dict(tracker: EvidenceTracker) -> dict[str, Any]:
         "seen_boot_time": tracker.seen_boot_time,
         "seen_at": tracker.seen_at,
         "approvals": {k: v.isoformat() for k, v in tracker.approvals.items()},
+        "approved_elsewhere": {k: v.isoformat() for k, v in tracker.approved_elsewhere.items()},
     }
 
 
@@ -208,14 +236,8 @@ def evidence_from_dict(raw: object, boot_id: str | None, boot_time: float | None
         # Nothing saved: whether the machine rebooted since the saved document is unknown.
         return EvidenceTracker(boot_id, None, boot_time=boot_time)
     seen = raw.get("seen_boot_id")
-    approvals: dict[str, datetime] = {}
-    items = raw.get("approvals")
-    for key, value in (items.items() if isinstance(items, dict) else ()):
-        try:
-            moment = datetime.fromisoformat(str(value))
-        except ValueError:
-            continue
-        if isinstance(key, str) and moment.tzinfo is not None:
-            approvals[key.lower()] = moment
-    return EvidenceTracker(boot_id, seen if isinstance(seen, str) else None, approvals, boot_time=boot_time,
-                           seen_boot_time=_number(raw.get("seen_boot_time")), seen_at=_number(raw.get("seen_at")))
+    tracker = EvidenceTracker(boot_id, seen if isinstance(seen, str) else None, _newest(_moments(raw.get("approvals"))),
+                              boot_time=boot_time, seen_boot_time=_number(raw.get("seen_boot_time")),
+                              seen_at=_number(raw.get("seen_at")))
+    tracker.approved_elsewhere = _newest(_moments(raw.get("approved_elsewhere")))
+    return tracker

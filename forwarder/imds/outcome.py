@@ -23,6 +23,9 @@ TERMINAL_KEY_SUFFIX = "ended"  # eventkey of every terminal record: "<EventId>:e
 # Evidence codes, as they appear in data.Evidence.Used.
 SEEN_STARTED = "seen_started"
 APPROVAL_ACCEPTED = "approval_accepted"
+# Seen Started long before NotBefore with no approval of this agent: another VM, or Azure Resource
+# Manager (Microsoft.Maintenance acknowledge), approved it.
+APPROVED_ELSEWHERE = "approved_elsewhere"
 INCARNATION_JUMP = "incarnation_jump"
 REBOOTED = "rebooted"
 PAUSED = "paused"
@@ -50,6 +53,8 @@ class EvidenceContext:
     rebooted_by: str | None = None  # what tells: "process", "boot_id", "boot_time" (forwarder.imds.evidence)
     pause_seconds: float = 0.0  # longest stall of the agent since the last document change
     vm_names: frozenset[str] = frozenset()  # this VM's names (lower case); empty: unknown
+    # lower-case EventId -> when the agent saw it start early without its own approval (early_start)
+    approved_elsewhere: Mapping[str, datetime] = field(default_factory=dict)
 
     def affects_this_vm(self, event: Event) -> bool | None:
         if not self.vm_names:
@@ -83,6 +88,7 @@ def decide(event: Event, context: EvidenceContext, unseen_states: int | None) ->
     now = context.now
     approved_at = context.approvals.get(event.event_id.lower())
     approved = approved_at is not None
+    elsewhere_at = None if approved else context.approved_elsewhere.get(event.event_id.lower())
     due = event.not_before is not None and now >= event.not_before
     ahead = (event.not_before - now).total_seconds() if event.not_before is not None else None
     affects = context.affects_this_vm(event)
@@ -90,6 +96,7 @@ def decide(event: Event, context: EvidenceContext, unseen_states: int | None) ->
         "LastSeenStatus": event.status,
         "UnseenStates": unseen_states,
         "ApprovedAt": _iso(approved_at),
+        "ApprovedElsewhereAt": _iso(elsewhere_at),
         "Rebooted": context.rebooted,
         "RebootedBy": context.rebooted_by,
         "PauseSeconds": round(context.pause_seconds, 3),
@@ -100,6 +107,8 @@ def decide(event: Event, context: EvidenceContext, unseen_states: int | None) ->
         used.append(SEEN_STARTED)
     if approved:
         used.append(APPROVAL_ACCEPTED)  # approval by a VM in Resources lets it start at once
+    if elsewhere_at is not None:
+        used.append(APPROVED_ELSEWHERE)
     if unseen_states and (due or approved):
         used.append(INCARNATION_JUMP)
     if context.rebooted and event.event_type in REBOOT_TYPES and affects:
@@ -112,6 +121,23 @@ def decide(event: Event, context: EvidenceContext, unseen_states: int | None) ->
             and context.pause_seconds < PAUSE_MIN):
         return Outcome(CANCELED, (GONE_BEFORE_NOT_BEFORE, NO_APPROVAL, NO_UNSEEN_STATES, NO_REBOOT), facts)
     return Outcome(UNKNOWN, (), facts)
+
+
+def early_start(before: Event, after: Event, context: EvidenceContext, unseen: int | None) -> dict[str, Any] | None:
+    """``data.EarlyStart`` of a Scheduled -> Started change seen at least ``CANCEL_MARGIN`` before NotBefore.
+
+    IMDS starts an unapproved event at its NotBefore, never before; seen Started a minute or more
+    earlier, someone approved it: this agent (an accepted approval) or, without one, another VM of
+    the event or Azure Resource Manager. Only when no state went unseen (``unseen == 0``): a NotBefore
+    moved earlier in a document the agent missed would explain an early start too.
+    """
+    if before.started or not after.started or before.not_before is None or unseen != 0:
+        return None
+    ahead = (before.not_before - context.now).total_seconds()
+    if ahead < CANCEL_MARGIN:
+        return None
+    mine = before.event_id.lower() in context.approvals
+    return {"ApprovedBy": "this_vm" if mine else "elsewhere", "SecondsBeforeNotBefore": round(ahead, 3)}
 
 
 def unseen_states(before: object, after: object, visible_changes: int) -> int | None:

@@ -72,7 +72,8 @@ def test_two_agents_one_availability_set_fold_to_one_outcome_per_event(tmp_path:
     outcome = {vm: {eid: t[0]["data"]["Outcome"] for eid, t in by_event.items()} for vm, by_event in records.items()}
     # vm-b saw the Reboot Started; vm-a, down across it, saw only a jump before NotBefore: it does not guess.
     assert outcome["vm-b"][ran] == "completed" and outcome["vm-a"][ran] == "unknown"
-    assert records["vm-b"][ran][0]["data"]["Evidence"]["Used"] == ["seen_started"]
+    # Approved by another party (not vm-b's agent) and seen Started long before NotBefore (issue 23).
+    assert records["vm-b"][ran][0]["data"]["Evidence"]["Used"] == ["seen_started", "approved_elsewhere"]
     assert records["vm-a"][ran][0]["data"]["Evidence"]["UnseenStates"] == 1
     assert outcome["vm-a"][called_off] == outcome["vm-b"][called_off] == "canceled"
     assert records["vm-a"][called_off][0]["data"]["Evidence"]["Used"] == [

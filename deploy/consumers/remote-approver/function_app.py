@@ -12,14 +12,21 @@ import os
 
 import azure.functions as func
 
+import arm_route
 from pipeline import RemoteApprover, Settings, handle_webhook, records_from_event_bodies
 
 app = func.FunctionApp()
 
 
 @functools.lru_cache(maxsize=1)
-def get_approver() -> RemoteApprover:
-    """One approver per worker process, so de-duplication spans invocations."""
+def get_approver() -> RemoteApprover | arm_route.ArmRemoteApprover:
+    """One approver per worker process, so de-duplication spans invocations.
+
+    APPROVAL_ROUTE selects how an approval reaches the VM: ``callback`` (default, the signed callback
+    on each VM) or ``arm`` (Azure Resource Manager with this app's managed identity: arm_route.py).
+    """
+    if arm_route.route(os.environ) == "arm":
+        return arm_route.from_env(os.environ)
     return RemoteApprover(Settings.from_env(os.environ))
 
 

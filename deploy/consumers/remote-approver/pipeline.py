@@ -52,6 +52,55 @@ def _flag(value: str | None) -> bool:
     return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def policy_and_webhook_secrets(env: Mapping[str, str], problems: list[str]) -> tuple[Policy, tuple[str, ...]]:
+    """The settings both routes share: the policy and the webhook secrets; problems are appended."""
+    webhook_secrets = tuple(env.get("SEFWD_WEBHOOK_SECRET", "").split())
+    for position, value in enumerate(webhook_secrets, 1):
+        problem = secret_problem(value)
+        if problem:
+            problems.append(f"SEFWD_WEBHOOK_SECRET: secret #{position} {problem}")
+    try:
+        policy = Policy.from_settings(env)
+    except ValueError as exc:
+        problems.append(f"MAX_FREEZE_SECONDS: {exc}")
+        policy = Policy()
+    unknown = sorted(policy.event_types - ALL_EVENT_TYPES)
+    if unknown:
+        problems.append(f"APPROVE_EVENT_TYPES: unknown event types {unknown} (known: {sorted(ALL_EVENT_TYPES)})")
+    return policy, webhook_secrets
+
+
+def positive_numbers(env: Mapping[str, str], specs: Iterable[tuple[str, float]], problems: list[str], *,
+                     zero_ok: Iterable[str] = ()) -> dict[str, float]:
+    """Numeric settings (name, default), each greater than zero (or zero, for those in ``zero_ok``)."""
+    numbers: dict[str, float] = {}
+    allow_zero = set(zero_ok)
+    for name, default in specs:
+        try:
+            numbers[name] = float(env.get(name, "") or default)
+            if numbers[name] < 0 or (numbers[name] == 0 and name not in allow_zero):
+                raise ValueError("must be zero or more" if name in allow_zero else "must be greater than zero")
+        except ValueError as exc:
+            problems.append(f"{name}: {exc}")
+            numbers[name] = default
+    return numbers
+
+
+def ca_bundle_setting(env: Mapping[str, str], name: str, problems: list[str]) -> str:
+    """A CA bundle path setting; a relative path is a file shipped with the app (e.g. certs/contoso-ca.pem)."""
+    ca_bundle = env.get(name, "").strip()
+    if ca_bundle:
+        ca_bundle = str(APP_DIR / ca_bundle) if not Path(ca_bundle).is_absolute() else ca_bundle
+        if not Path(ca_bundle).is_file():
+            problems.append(f"{name}: no file {ca_bundle}")
+    return ca_bundle
+
+
+def approver_name(env: Mapping[str, str]) -> str:
+    site = env.get("WEBSITE_SITE_NAME", "").strip()
+    return env.get("APPROVER_NAME", "").strip() or (f"azure-function:{site}" if site else "remote-approver")
+
+
 @dataclass(frozen=True)
 class Settings:
     """The app settings this function reads (see README.md: "App settings")."""

@@ -1,0 +1,266 @@
+"""The ARM route (APPROVAL_ROUTE=arm): approve through Azure Resource Manager with the Function's
+managed identity, no inbound port on any VM.
+
+POST {ARM}/subscriptions/{sub}/resourcegroups/{rg}/providers/Microsoft.Compute/{virtualMachines|
+virtualMachineScaleSets}/{name}/providers/Microsoft.Maintenance/scheduledevents/{EventId}/acknowledge
+?api-version=2023-10-01-preview (REST spec ScheduledEvents_Acknowledge), through azure-mgmt-core's
+ARMPipelineClient (azure-core retry honouring Retry-After, bearer tokens for
+https://management.azure.com/.default from azure-identity). The identity needs
+Microsoft.Maintenance/scheduledevents/acknowledge/action on the VMs / scale sets: the built-in role
+"Scheduled Events Contributor" (b67fe603-310e-4889-b9ee-8257d09d353d), assigned on the resource
+groups (or the VMs) it may approve for, nothing wider.
+
+A VM speaks only for itself: the target is built only from the identity of the VM that sent the
+record (never from Resources or other free-text fields), every path component percent-escaped, and
+an event is acknowledged only if its Resources name that VM.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+from decide import Deduper, OutcomeFolder, Policy, dedupe_key, should_approve
+from pipeline import _flag, approver_name, ca_bundle_setting, policy_and_webhook_secrets, positive_numbers
+
+log = logging.getLogger(__name__)
+
+ROUTES = ("callback", "arm")
+DEFAULT_ENDPOINT = "https://management.azure.com"
+DEFAULT_SCOPE = "https://management.azure.com/.default"
+API_VERSION = "2023-10-01-preview"
+_TYPES = {"virtualmachines": "virtualMachines", "virtualmachinescalesets": "virtualMachineScaleSets"}
+MAX_TEXT = 300
+
+
+def route(env: Mapping[str, str]) -> str:
+    """APPROVAL_ROUTE: ``callback`` (default: the signed callback on each VM) or ``arm``."""
+    value = env.get("APPROVAL_ROUTE", "").strip().lower() or "callback"
+    if value not in ROUTES:
+        raise ValueError(f"remote approver settings: APPROVAL_ROUTE must be one of {', '.join(ROUTES)}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ArmTarget:
+    """The resource to acknowledge on, and the name IMDS lists for the VM in Resources."""
+
+    subscription: str
+    resource_group: str
+    resource_type: str  # virtualMachines | virtualMachineScaleSets (a scale-set instance: its scale set)
+    name: str
+    vm_name: str  # "<vm>" or "<scaleset>_<instance>"
+
+    def path(self, event_id: str) -> str:
+        q = lambda value: quote(value, safe="")  # noqa: E731 - a name can never add a path segment
+        return (f"/subscriptions/{q(self.subscription)}/resourcegroups/{q(self.resource_group)}/providers/"
+                f"Microsoft.Compute/{q(self.resource_type)}/{q(self.name)}/providers/Microsoft.Maintenance/"
+                f"scheduledevents/{q(event_id)}/acknowledge")
+
+
+def target_of(resource_id: str) -> ArmTarget:
+    """A VM or scale-set-instance resource ID -> its target; ValueError for anything else."""
+    parts = resource_id.strip("/").split("/")
+    lower = [p.lower() for p in parts]
+    if (len(parts) not in (8, 10) or lower[0] != "subscriptions" or lower[2] != "resourcegroups"
+            or lower[4] != "providers" or lower[5] != "microsoft.compute" or not all(parts)):
+        raise ValueError(f"not a VM resource ID: {resource_id!r}")
+    if len(parts) == 8 and lower[6] == "virtualmachines":
+        return ArmTarget(parts[1], parts[3], "virtualMachines", parts[7], parts[7])
+    if len(parts) == 10 and lower[6] == "virtualmachinescalesets" and lower[8] == "virtualmachines":
+        return ArmTarget(parts[1], parts[3], "virtualMachineScaleSets", parts[7], f"{parts[7]}_{parts[9]}")
+    raise ValueError(f"not a VM or scale-set instance resource ID: {resource_id!r}")
+
+
+def authenticated_resource_id(record: Mapping[str, Any]) -> str | None:
+    """The resource ID of the VM that speaks for this record, or None if it cannot be trusted.
+
+    TODO(i21a, hook point): once decide.authenticated_vm(record) exists (per-VM record
+    authentication), take the resource ID of the VM it returns instead. Until then the record's
+    CloudEvents ``source`` must be a VM resource ID and equal ``data.Vm.ResourceId`` (both set by
+    the agent from the VM's instance metadata); anything else is refused.
+    """
+    source = record.get("source")
+    data = record.get("data")
+    vm = data.get("Vm") if isinstance(data, Mapping) else None
+    claimed = vm.get("ResourceId") if isinstance(vm, Mapping) else None
+    if not isinstance(source, str) or not source.startswith("/subscriptions/") or source != claimed:
+        return None
+    return source
+
+
+def names_vm(record: Mapping[str, Any], vm_name: str) -> bool:
+    """Whether the event's Resources name this VM (leading "_" of 2017-03-01 stripped, any case)."""
+    data = record.get("data")
+    resources = data.get("Resources") if isinstance(data, Mapping) else None
+    return any(isinstance(r, str) and r.lstrip("_").lower() == vm_name.lower() for r in resources or ())
+
+
+@dataclass(frozen=True)
+class ArmSettings:
+    """App settings of the ARM route (README.md: "The ARM route")."""
+
+    policy: Policy
+    webhook_secrets: tuple[str, ...] = field(default=(), repr=False)
+    endpoint: str = DEFAULT_ENDPOINT
+    scope: str = DEFAULT_SCOPE
+    retries: int = 4
+    timeout: float = 10.0
+    managed_identity_client_id: str | None = None  # a user-assigned identity; None: system-assigned/default chain
+    verify: bool | str = True  # ARM_CA_BUNDLE: a private CA (tests, an ARM proxy)
+    approver_name: str = "remote-approver"
+    dry_run: bool = False
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> ArmSettings:
+        """Read and check every setting; raises ValueError listing all problems at once."""
+        problems: list[str] = []
+        endpoint = env.get("ARM_ENDPOINT", "").strip().rstrip("/") or DEFAULT_ENDPOINT
+        if not endpoint.lower().startswith("https://"):
+            problems.append(f"ARM_ENDPOINT must be https:// (bearer tokens never go over plain HTTP), got {endpoint!r}")
+        policy, webhook_secrets = policy_and_webhook_secrets(env, problems)
+        numbers = positive_numbers(env, (("ARM_RETRIES", 4.0), ("ARM_TIMEOUT_SECONDS", 10.0)), problems,
+                                   zero_ok=("ARM_RETRIES",))
+        ca_bundle = ca_bundle_setting(env, "ARM_CA_BUNDLE", problems)
+        if problems:
+            raise ValueError("remote approver settings (APPROVAL_ROUTE=arm): " + "; ".join(problems))
+        return cls(
+            policy=policy, webhook_secrets=webhook_secrets, endpoint=endpoint,
+            scope=env.get("ARM_SCOPE", "").strip() or DEFAULT_SCOPE, retries=int(numbers["ARM_RETRIES"]),
+            timeout=numbers["ARM_TIMEOUT_SECONDS"],
+            managed_identity_client_id=env.get("AZURE_CLIENT_ID", "").strip() or None,
+            verify=ca_bundle or True,
+            approver_name=approver_name(env), dry_run=_flag(env.get("DRY_RUN")),
+        )
+
+
+def _text(value: object) -> str:
+    text = " ".join(str(value).split())
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT] + "…"
+
+
+class ArmClient:
+    """One ARMPipelineClient per function instance (token cache, connection pool)."""
+
+    def __init__(self, settings: ArmSettings, credential: Any = None) -> None:
+        from azure.core.configuration import Configuration
+        from azure.core.pipeline import policies
+        from azure.mgmt.core import ARMPipelineClient
+        from azure.mgmt.core.policies import ARMChallengeAuthenticationPolicy
+
+        if credential is None:
+            from azure.identity import DefaultAzureCredential
+
+            credential = DefaultAzureCredential(managed_identity_client_id=settings.managed_identity_client_id)
+        config = Configuration()
+        config.headers_policy = policies.HeadersPolicy()
+        config.user_agent_policy = policies.UserAgentPolicy(sdk_moniker="sefwd-remote-approver")
+        config.proxy_policy = policies.ProxyPolicy()
+        config.logging_policy = policies.NetworkTraceLoggingPolicy()
+        config.retry_policy = policies.RetryPolicy(retry_total=settings.retries, retry_backoff_max=30)
+        config.custom_hook_policy = policies.CustomHookPolicy()
+        config.redirect_policy = policies.RedirectPolicy()
+        config.authentication_policy = ARMChallengeAuthenticationPolicy(credential, settings.scope)
+        self.settings = settings
+        self._client = ARMPipelineClient(base_url=settings.endpoint, config=config, connection_verify=settings.verify)
+
+    def acknowledge(self, target: ArmTarget, event_id: str) -> dict[str, Any]:
+        """{"ok", "final", "http_status", "reason"}; never raises for ARM's or the network's answers."""
+        from azure.core.exceptions import AzureError
+        from azure.core.rest import HttpRequest
+
+        request = HttpRequest("POST", self.settings.endpoint + target.path(event_id),
+                              params={"api-version": API_VERSION}, headers={"Accept": "application/json"})
+        try:
+            response = self._client.send_request(request, connection_timeout=self.settings.timeout,
+                                                  read_timeout=self.settings.timeout)
+        except AzureError as exc:  # no token, unreachable, retries exhausted on a dropped connection
+            return {"ok": False, "final": False, "http_status": None, "reason": f"arm_unavailable: {_text(exc.message)}"}
+        status = response.status_code
+        if status == 200:
+            return {"ok": True, "final": True, "http_status": 200, "reason": "approved"}
+        try:
+            error = json.loads(response.text()).get("error") or {}
+        except (ValueError, AttributeError):
+            error = {}
+        code = _text(error.get("code", "")) if isinstance(error, dict) else ""
+        # 408/429/5xx were retried by the pipeline already: not final, a later copy may try again.
+        final = status not in (408, 429) and status < 500
+        return {"ok": False, "final": final, "http_status": status, "reason": f"arm_{status}_{code or 'error'}"}
+
+
+class ArmRemoteApprover:
+    """Decide each record once (by eventkey) and acknowledge it through ARM on the record's own VM."""
+
+    def __init__(self, settings: ArmSettings, *, client: ArmClient | None = None, deduper: Deduper | None = None) -> None:
+        self.settings = settings
+        self.deduper = deduper or Deduper()
+        self.outcomes = OutcomeFolder()
+        self._client = client
+
+    @property
+    def client(self) -> ArmClient:
+        if self._client is None:
+            self._client = ArmClient(self.settings)
+        return self._client
+
+    def handle(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        raw = record.get("data")
+        data: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+        outcome: dict[str, Any] = {"id": record.get("id"), "type": record.get("type"), "EventId": data.get("EventId"),
+                                   "route": "arm"}
+        folded = self.outcomes.add(record)
+        if folded is not None:
+            _, fleet_outcome, changed = folded
+            outcome.update(decision="outcome" if changed else "duplicate", reason=f"fleet_outcome_{fleet_outcome}",
+                           eventkey=record.get("eventkey"), outcome=fleet_outcome)
+            return outcome
+        approve, reason = should_approve(record, self.settings.policy)
+        outcome["reason"] = reason
+        if not approve:
+            outcome["decision"] = "skip"
+            return outcome
+        resource_id = authenticated_resource_id(record)
+        try:
+            target = target_of(resource_id) if resource_id is not None else None
+        except ValueError:
+            target = None
+        if target is None:
+            outcome.update(decision="refused", reason="unauthenticated_source")
+            return outcome
+        if not names_vm(record, target.vm_name):
+            # A VM speaks only for itself: an event whose Resources do not name it is not its to approve.
+            outcome.update(decision="refused", reason="not_this_vms_event")
+            return outcome
+        key = dedupe_key(record)
+        outcome["eventkey"] = key
+        if not self.deduper.claim(key):
+            outcome["decision"] = "duplicate"
+            return outcome
+        outcome["target"] = f"{target.resource_type}/{target.name}"
+        if self.settings.dry_run:
+            log.info("DRY_RUN: would acknowledge %s (%s) on %s", data.get("EventId"), reason, resource_id)
+            outcome["decision"] = "dry_run"
+            return outcome
+        answer = self.client.acknowledge(target, str(data["EventId"]))
+        if not answer["final"]:
+            self.deduper.release(key)  # throttled or unavailable after the retries: the next copy tries again
+        outcome.update(decision="approved" if answer["ok"] else "refused" if answer["final"] else "failed",
+                       answer=answer["reason"], http_status=answer["http_status"])
+        return outcome
+
+    def handle_many(self, records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        outcomes = [self.handle(record) for record in records]
+        for o in outcomes:
+            if o["decision"] != "skip":
+                log.info("record %s %s event %s: %s (%s) via ARM target=%s http=%s", o.get("id"), o.get("type"),
+                         o.get("EventId"), o["decision"], o["reason"], o.get("target"), o.get("http_status"))
+        return outcomes
+
+
+def from_env(env: Mapping[str, str] | None = None) -> ArmRemoteApprover:
+    return ArmRemoteApprover(ArmSettings.from_env(os.environ if env is None else env))

@@ -1,0 +1,199 @@
+"""The remote approver's ARM route (deploy/consumers/remote-approver/arm_route.py), end to end:
+emulator with two VMs -> one real agent per VM -> Event Hubs peer -> the approver's decision code ->
+ARM acknowledge (azure-mgmt-core, managed identity from the emulator) -> IMDS shows Started -> the
+agent records the outcome with evidence of the external approval. Plus the abuse cases: a record
+speaks only for its own VM."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.peers.eventhubs_peer import EventHubsPeer
+from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.arm import ArmCerts, arm_certs, arm_emulator, event_status
+
+APP_DIR = Path(__file__).resolve().parents[2] / "deploy" / "consumers" / "remote-approver"
+if str(APP_DIR) not in sys.path:
+    sys.path.insert(0, str(APP_DIR))
+
+import arm_route  # noqa: E402
+from decide import Deduper  # noqa: E402
+from pipeline import records_from_event_bodies  # noqa: E402
+
+_UNAVAILABLE = EventHubsPeer.available()
+pytestmark = pytest.mark.timeout(180)
+VMS = ("vm-a", "vm-b")
+
+
+@pytest.fixture
+def certs(tmp_path: Path) -> ArmCerts:
+    return arm_certs(tmp_path / "tls")
+
+
+@pytest.fixture
+def identity(monkeypatch: pytest.MonkeyPatch):
+    """The Function's managed identity: azure-identity asks the emulator's token endpoint."""
+    for name in [n for n in os.environ if n.startswith(("AZURE_", "IDENTITY_", "MSI_"))]:
+        monkeypatch.delenv(name)
+
+    def use(emu: Any) -> None:
+        monkeypatch.setenv("AZURE_POD_IDENTITY_AUTHORITY_HOST", emu.url)
+    return use
+
+
+def approver_for(emu: Any, certs: ArmCerts, **env: str) -> arm_route.ArmRemoteApprover:
+    settings = arm_route.ArmSettings.from_env({"APPROVAL_ROUTE": "arm", "ARM_ENDPOINT": emu.arm_url,
+                                               "ARM_CA_BUNDLE": str(certs.ca), "ARM_RETRIES": "2", **env})
+    return arm_route.ArmRemoteApprover(settings)
+
+
+def record_of(out: Path, rtype: str, event_id: str) -> dict[str, Any] | None:
+    return next((r for r in read_jsonl(out) if r["type"] == rtype and r["subject"] == event_id), None)
+
+
+@pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"eventhubs peer unavailable: {_UNAVAILABLE}")
+def test_stream_to_arm_approval_to_started_to_outcome_with_external_approval_evidence(tmp_path, certs, identity):
+    with arm_emulator(certs, vms=list(VMS)) as emu, EventHubsPeer(log=tmp_path / "peer.log") as peer:
+        identity(emu)
+        agents, outs = {}, {}
+        try:
+            for vm in VMS:
+                (tmp_path / vm).mkdir()
+                outs[vm] = tmp_path / vm / "out.jsonl"
+                sinks = (f'[[sinks]]\ntype = "file"\nname = "file"\npath = "{outs[vm]}"\n'
+                         f'[[sinks]]\ntype = "eventhubs"\nname = "hub"\nconnection_string_env = "EH_CONN"\n'
+                         f'timeout = "3s"\n')
+                config = write_config(tmp_path / vm / "sefwd.toml", emu.vm_url(vm), tmp_path / vm / "state",
+                                      sinks=sinks)
+                agents[vm] = AgentProcess(config, tmp_path / vm / "agent.log", env={"EH_CONN": peer.connection_string()})
+            for vm, agent in agents.items():
+                assert agent.alive() or agent.proc.wait(30) is None, agent.logs()
+            mine = emu.schedule(type="Reboot", source="User", resources=["vm-a"], start_after=900, complete_after=600)
+            theirs = emu.schedule(type="Reboot", source="Platform", resources=["vm-b"], start_after=900)
+            # The stream: each agent reports every event of the document (each VM sees both), from its own VM.
+            events = peer.wait_events(4, 60, lambda got: sum('"scheduledevent.scheduled"' in e["body"] for e in got) >= 4)
+            records = [r for r in records_from_event_bodies(e["body"].encode() for e in events)
+                       if r["type"] == "scheduledevent.scheduled"]
+            assert sorted((r["subject"], r["source"].rpartition("/")[2]) for r in records) == sorted(
+                (event, vm) for event in (mine, theirs) for vm in VMS)
+            approver = approver_for(emu, certs)
+            outcomes = {(o["EventId"], o["id"]): o for o in approver.handle_many(records)}
+            by = {(r["subject"], r["source"].rpartition("/")[2]): outcomes[(r["subject"], r["id"])] for r in records}
+            assert (by[mine, "vm-a"]["decision"], by[mine, "vm-a"]["reason"]) == ("approved", "user_initiated")
+            assert by[mine, "vm-a"]["target"] == "virtualMachines/vm-a" and by[mine, "vm-a"]["http_status"] == 200
+            # vm-b's copy of vm-a's event: vm-b does not speak for vm-a.
+            assert (by[mine, "vm-b"]["decision"], by[mine, "vm-b"]["reason"]) == ("refused", "not_this_vms_event")
+            assert {by[theirs, vm]["decision"] for vm in VMS} == {"skip"}  # the policy leaves a platform reboot alone
+            assert event_status(emu, mine) == "Started" and event_status(emu, theirs) == "Scheduled"
+            (post,) = emu.stats()["start_requests"]
+            assert (post["vm"], post["via"], post["event_ids"]) == ("vm-a", "arm", [mine])
+            for vm in VMS:  # both agents see it start long before NotBefore, approved by neither of them
+                started = wait_until(lambda: record_of(outs[vm], "scheduledevent.started", mine), 30, "started record")
+                assert started["data"]["EarlyStart"]["ApprovedBy"] == "elsewhere"
+            emu.complete(mine)
+            done = wait_until(lambda: record_of(outs["vm-a"], "scheduledevent.completed", mine), 30, "completed record")
+            assert done["data"]["Outcome"] == "completed"
+            assert done["data"]["Evidence"]["Used"] == ["seen_started", "approved_elsewhere"]
+            # The terminal record travels the same stream; the approver folds the fleet's outcome.
+            def terminal_records() -> list[dict[str, Any]]:
+                return [r for r in records_from_event_bodies(e["body"].encode() for e in peer.events())
+                        if r["type"] == "scheduledevent.completed"]
+            wait_until(lambda: len(terminal_records()) == 2, 30, "both terminal records on the hub")
+            terminal = terminal_records()
+            assert {r["data"]["Evidence"]["Used"][-1] for r in terminal} == {"approved_elsewhere"}  # vm-b too
+            folded = approver.handle_many(terminal)
+            assert [(o["decision"], o["outcome"]) for o in folded] == [("outcome", "completed"), ("duplicate", "completed")]
+            for agent in agents.values():
+                assert agent.terminate() == 0
+        finally:
+            for agent in agents.values():
+                if agent.alive():
+                    agent.kill()
+
+
+# -- a VM speaks only for itself ----------------------------------------------------------------
+
+def scheduled_record(emu: Any, vm: str, event_id: str, resources: list[str]) -> dict[str, Any]:
+    rid = emu.stats()["vms"][vm]["resourceId"]
+    return {"specversion": "1.0", "id": f"rec-{event_id}-{vm}", "type": "scheduledevent.scheduled", "source": rid,
+            "subject": event_id, "eventkey": f"{event_id}:scheduled",
+            "data": {"EventId": event_id, "EventType": "Reboot", "EventSource": "User", "EventStatus": "Scheduled",
+                     "Resources": resources, "Vm": {"Name": vm, "ResourceId": rid}}}
+
+
+def test_a_record_cannot_approve_another_vms_event_or_name_another_target(certs, identity):
+    with arm_emulator(certs, vms=["vm-a", "vm-b", {"name": "ss_4", "vm_scale_set_name": "ss"}]) as emu:
+        identity(emu)
+        approver = approver_for(emu, certs)
+        theirs = emu.schedule(type="Reboot", source="User", resources=["vm-b"], start_after=900)
+        # vm-a's record about vm-b's event: vm-a may not approve it (its Resources do not name vm-a).
+        claim = scheduled_record(emu, "vm-a", theirs, ["vm-b"])
+        assert approver.handle(claim)["reason"] == "not_this_vms_event"
+        # Resources edited to name vm-a: ARM is asked on vm-a's own resource only, and vm-b's event is
+        # not an event of vm-a there: refused, nothing starts.
+        lying = scheduled_record(emu, "vm-a", theirs, ["vm-a"])
+        outcome = approver.handle(lying)
+        assert (outcome["decision"], outcome["http_status"], outcome["answer"]) == ("refused", 404, "arm_404_NotFound")
+        # A source that is not the VM the data names (a replayed or forged record): never acted on.
+        forged = scheduled_record(emu, "vm-b", theirs, ["vm-b"])
+        forged["source"] = forged["source"].replace("vm-b", "vm-b/../vm-a")
+        assert approver.handle(forged)["reason"] == "unauthenticated_source"
+        assert event_status(emu, theirs) == "Scheduled" and emu.stats()["start_requests"] == []
+        # A scale-set instance is acknowledged on its scale set; every path component is escaped.
+        instance = emu.schedule(type="Reboot", source="User", resources=["ss_4"], start_after=900)
+        outcome = approver.handle(scheduled_record(emu, "ss_4", instance, ["ss_4"]))
+        assert (outcome["decision"], outcome["target"]) == ("approved", "virtualMachineScaleSets/ss")
+        assert event_status(emu, instance) == "Started"
+    target = arm_route.target_of("/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/a?b#c")
+    assert target.path("E/../x").endswith("/virtualMachines/a%3Fb%23c/providers/Microsoft.Maintenance/"
+                                          "scheduledevents/E%2F..%2Fx/acknowledge")
+
+
+def test_throttling_releases_the_key_so_a_later_copy_retries(certs, identity):
+    with arm_emulator(certs, vms=["vm-a"]) as emu:
+        identity(emu)
+        approver = approver_for(emu, certs, ARM_RETRIES="1")
+        event = emu.schedule(type="Reboot", source="User", resources=["vm-a"], start_after=900)
+        emu.inject_fault("status", status=429, retry_after="0.1", count=2, path="arm")
+        record = scheduled_record(emu, "vm-a", event, ["vm-a"])
+        first = approver.handle(record)
+        assert (first["decision"], first["http_status"]) == ("failed", 429)
+        again = approver.handle(copy.deepcopy(record))
+        assert again["decision"] == "approved" and event_status(emu, event) == "Started"
+        assert [r["status"] for r in emu.stats()["arm_requests"]] == [429, 429, 200]
+
+
+def test_settings_and_route_selection():
+    assert arm_route.route({}) == "callback" and arm_route.route({"APPROVAL_ROUTE": "ARM"}) == "arm"
+    with pytest.raises(ValueError, match="APPROVAL_ROUTE"):
+        arm_route.route({"APPROVAL_ROUTE": "ssh"})
+    with pytest.raises(ValueError) as info:
+        arm_route.ArmSettings.from_env({"ARM_ENDPOINT": "http://x", "ARM_RETRIES": "-1", "ARM_CA_BUNDLE": "/nope.pem",
+                                        "SEFWD_WEBHOOK_SECRET": "nope"})
+    for problem in ("must be https://", "ARM_RETRIES", "ARM_CA_BUNDLE: no file", "SEFWD_WEBHOOK_SECRET"):
+        assert problem in str(info.value)
+    settings = arm_route.ArmSettings.from_env({"AZURE_CLIENT_ID": "1111", "DRY_RUN": "true"})
+    assert settings.endpoint == "https://management.azure.com" and settings.managed_identity_client_id == "1111"
+    dry = arm_route.ArmRemoteApprover(settings, deduper=Deduper())
+    rid = "/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm-a"
+    rec = {"type": "scheduledevent.scheduled", "source": rid, "eventkey": "E:scheduled",
+           "data": {"EventId": "E", "EventType": "Reboot", "EventSource": "User", "EventStatus": "Scheduled",
+                    "Resources": ["vm-a"], "Vm": {"ResourceId": rid}}}
+    assert dry.handle(rec)["decision"] == "dry_run"  # no client, no token, nothing sent
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("azure.functions") is None, reason="azure-functions missing")
+def test_function_app_selects_the_route(monkeypatch):
+    import function_app
+
+    monkeypatch.setenv("APPROVAL_ROUTE", "arm")
+    function_app.get_approver.cache_clear()
+    try:
+        assert isinstance(function_app.get_approver(), arm_route.ArmRemoteApprover)
+    finally:
+        function_app.get_approver.cache_clear()
