@@ -1,6 +1,7 @@
 """A test fleet for the stream's trust boundary: one master secret, per-VM keys, signed records."""
 from __future__ import annotations
 
+import functools
 import sys
 import uuid
 from datetime import datetime, timezone
@@ -50,3 +51,15 @@ def record(etype: str = "Freeze", source: str = "Platform", duration: Any = 5, s
            "time": time or now_text(), "eventkey": f"{event_id}:{rtype.rpartition('.')[2]}", "data": data}
     signer = seen_by if signer is None else signer
     return sign_record(record_key(signer), rec) if signer else rec
+
+
+@functools.lru_cache(maxsize=1)
+def function_handlers() -> dict[str, Any]:
+    """The remote-approver Function's handlers by function name, as the Functions host indexes them.
+
+    Once per process: azure-functions' ``FunctionApp.get_functions`` refuses a second indexing of
+    the same app ("does not have a unique function name"), and test files share the process.
+    """
+    import function_app
+
+    return {f.get_function_name(): f.get_user_function() for f in function_app.app.get_functions()}

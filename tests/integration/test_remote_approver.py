@@ -18,7 +18,7 @@ from standardwebhooks.webhooks import Webhook
 
 from forwarder.common.fleet_keys import as_secret
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
-from tests.fleet import MASTER_SECRET, callback_secret, record, record_key, resource_id
+from tests.fleet import MASTER_SECRET, callback_secret, function_handlers, record, record_key, resource_id
 
 import approver_client  # noqa: E402  (tests.fleet puts the app folder on sys.path)
 import pipeline  # noqa: E402
@@ -406,7 +406,7 @@ def test_function_app_http_trigger_against_the_real_callback(live, monkeypatch, 
     for name, value in settings_env(0, tmp_path, CALLBACK_URL_TEMPLATE=live["url"]).items():
         monkeypatch.setenv(name, value)
     function_app.get_approver.cache_clear()
-    handler = {f.get_function_name(): f.get_user_function() for f in function_app.app.get_functions()}["sefwd_webhook"]
+    handler = function_handlers()["sefwd_webhook"]
 
     def call(body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
         req = func.HttpRequest("POST", "https://approver.example/api/sefwd", headers=headers, body=body)

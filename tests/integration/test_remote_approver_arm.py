@@ -1,8 +1,10 @@
 """The remote approver's ARM route (deploy/consumers/remote-approver/arm_route.py), end to end:
 emulator with two VMs -> one real agent per VM -> Event Hubs peer -> the approver's decision code ->
 ARM acknowledge (azure-mgmt-core, managed identity from the emulator) -> IMDS shows Started -> the
-agent records the outcome with evidence of the external approval. Plus the abuse cases: a record
-speaks only for its own VM."""
+agent records the outcome with evidence of the external approval. The agents sign their records with
+their own per-VM keys (sefwdauth); the ARM route decides exactly like the callback route
+(pipeline.RemoteApprover). Plus the abuse cases: a record speaks only for its own VM, and a forged,
+other-VM-signed, unsigned or replayed record never reaches ARM."""
 from __future__ import annotations
 
 import copy
@@ -14,8 +16,11 @@ from typing import Any
 import pytest
 
 from benchmarks.peers.eventhubs_peer import EventHubsPeer
+from forwarder.common.fleet_keys import RECORD_PURPOSE, as_secret, derive_key
+from forwarder.common.record_auth import sign_record
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
-from tests.arm import ArmCerts, arm_certs, arm_emulator, event_status
+from tests.arm import ArmCerts, arm_certs, arm_emulator, event_status, resource_id
+from tests.fleet import MASTER, MASTER_SECRET, now_text
 
 APP_DIR = Path(__file__).resolve().parents[2] / "deploy" / "consumers" / "remote-approver"
 if str(APP_DIR) not in sys.path:
@@ -46,10 +51,21 @@ def identity(monkeypatch: pytest.MonkeyPatch):
     return use
 
 
-def approver_for(emu: Any, certs: ArmCerts, **env: str) -> arm_route.ArmRemoteApprover:
+def approver_for(emu: Any, certs: ArmCerts, seen: Path, **env: str) -> arm_route.ArmRemoteApprover:
     settings = arm_route.ArmSettings.from_env({"APPROVAL_ROUTE": "arm", "ARM_ENDPOINT": emu.arm_url,
-                                               "ARM_CA_BUNDLE": str(certs.ca), "ARM_RETRIES": "2", **env})
+                                               "ARM_CA_BUNDLE": str(certs.ca), "ARM_RETRIES": "2",
+                                               "SEFWD_MASTER_SECRET": MASTER_SECRET,
+                                               "SEEN_RECORDS_PATH": str(seen / "seen-records.db"), **env})
     return arm_route.ArmRemoteApprover(settings)
+
+
+def record_key(rid: str) -> bytes:
+    """The record key of the VM with resource ID ``rid`` (`sefwd keys derive`), from the test fleet's master."""
+    return derive_key(MASTER, RECORD_PURPOSE, rid)
+
+
+def key_env(rid: str) -> dict[str, str]:
+    return {"SEFWD_AGENT_RECORD_KEY_ENV": "SEFWD_RECORD_KEY", "SEFWD_RECORD_KEY": as_secret(record_key(rid))}
 
 
 def record_of(out: Path, rtype: str, event_id: str) -> dict[str, Any] | None:
@@ -70,7 +86,8 @@ def test_stream_to_arm_approval_to_started_to_outcome_with_external_approval_evi
                          f'timeout = "3s"\n')
                 config = write_config(tmp_path / vm / "sefwd.toml", emu.vm_url(vm), tmp_path / vm / "state",
                                       sinks=sinks)
-                agents[vm] = AgentProcess(config, tmp_path / vm / "agent.log", env={"EH_CONN": peer.connection_string()})
+                agents[vm] = AgentProcess(config, tmp_path / vm / "agent.log",
+                                          env={"EH_CONN": peer.connection_string(), **key_env(resource_id(emu, vm))})
             for vm, agent in agents.items():
                 assert agent.alive() or agent.proc.wait(30) is None, agent.logs()
             mine = emu.schedule(type="Reboot", source="User", resources=["vm-a"], start_after=900, complete_after=600)
@@ -81,13 +98,15 @@ def test_stream_to_arm_approval_to_started_to_outcome_with_external_approval_evi
                        if r["type"] == "scheduledevent.scheduled"]
             assert sorted((r["subject"], r["source"].rpartition("/")[2]) for r in records) == sorted(
                 (event, vm) for event in (mine, theirs) for vm in VMS)
-            approver = approver_for(emu, certs)
+            approver = approver_for(emu, certs, tmp_path)
             outcomes = {(o["EventId"], o["id"]): o for o in approver.handle_many(records)}
+            assert {o["decision"] for o in outcomes.values()} != {"untrusted"} and approver.untrusted == 0
             by = {(r["subject"], r["source"].rpartition("/")[2]): outcomes[(r["subject"], r["id"])] for r in records}
             assert (by[mine, "vm-a"]["decision"], by[mine, "vm-a"]["reason"]) == ("approved", "user_initiated")
             assert by[mine, "vm-a"]["target"] == "virtualMachines/vm-a" and by[mine, "vm-a"]["http_status"] == 200
+            assert by[mine, "vm-a"]["vm"] == resource_id(emu, "vm-a") and by[mine, "vm-a"]["route"] == "arm"
             # vm-b's copy of vm-a's event: vm-b does not speak for vm-a.
-            assert (by[mine, "vm-b"]["decision"], by[mine, "vm-b"]["reason"]) == ("refused", "not_this_vms_event")
+            assert (by[mine, "vm-b"]["decision"], by[mine, "vm-b"]["reason"]) == ("skip", "not_this_vm")
             assert {by[theirs, vm]["decision"] for vm in VMS} == {"skip"}  # the policy leaves a platform reboot alone
             assert event_status(emu, mine) == "Started" and event_status(emu, theirs) == "Scheduled"
             (post,) = emu.stats()["start_requests"]
@@ -118,80 +137,136 @@ def test_stream_to_arm_approval_to_started_to_outcome_with_external_approval_evi
 
 # -- a VM speaks only for itself ----------------------------------------------------------------
 
-def scheduled_record(emu: Any, vm: str, event_id: str, resources: list[str]) -> dict[str, Any]:
-    rid = emu.stats()["vms"][vm]["resourceId"]
-    return {"specversion": "1.0", "id": f"rec-{event_id}-{vm}", "type": "scheduledevent.scheduled", "source": rid,
-            "subject": event_id, "eventkey": f"{event_id}:scheduled",
-            "data": {"EventId": event_id, "EventType": "Reboot", "EventSource": "User", "EventStatus": "Scheduled",
-                     "Resources": resources, "Vm": {"Name": vm, "ResourceId": rid}}}
+def scheduled_record(emu: Any, vm: str, event_id: str, resources: list[str], *, signer: str | None = None,
+                     time: str | None = None) -> dict[str, Any]:
+    """The record VM ``vm``'s agent makes, signed with ``signer``'s key (default: its own; "" unsigned)."""
+    rid = resource_id(emu, vm)
+    rec = {"specversion": "1.0", "id": f"rec-{event_id}-{vm}", "type": "scheduledevent.scheduled", "source": rid,
+           "subject": event_id, "eventkey": f"{event_id}:scheduled", "time": time or now_text(),
+           "data": {"EventId": event_id, "EventType": "Reboot", "EventSource": "User", "EventStatus": "Scheduled",
+                    "Resources": resources, "Vm": {"Name": vm, "ResourceId": rid}}}
+    signer = vm if signer is None else signer
+    return sign_record(record_key(resource_id(emu, signer)), rec) if signer else rec
 
 
-def test_a_record_cannot_approve_another_vms_event_or_name_another_target(certs, identity):
+def test_a_record_cannot_approve_another_vms_event_or_name_another_target(tmp_path, certs, identity):
     with arm_emulator(certs, vms=["vm-a", "vm-b", {"name": "ss_4", "vm_scale_set_name": "ss"}]) as emu:
         identity(emu)
-        approver = approver_for(emu, certs)
+        approver = approver_for(emu, certs, tmp_path)
         theirs = emu.schedule(type="Reboot", source="User", resources=["vm-b"], start_after=900)
         # vm-a's record about vm-b's event: vm-a may not approve it (its Resources do not name vm-a).
         claim = scheduled_record(emu, "vm-a", theirs, ["vm-b"])
-        assert approver.handle(claim)["reason"] == "not_this_vms_event"
+        assert (approver.handle(claim)["decision"], approver.handle(claim)["reason"]) == ("skip", "not_this_vm")
         # Resources edited to name vm-a: ARM is asked on vm-a's own resource only, and vm-b's event is
         # not an event of vm-a there: refused, nothing starts.
         lying = scheduled_record(emu, "vm-a", theirs, ["vm-a"])
         outcome = approver.handle(lying)
         assert (outcome["decision"], outcome["http_status"], outcome["answer"]) == ("refused", 404, "arm_404_NotFound")
-        # A source that is not the VM the data names (a replayed or forged record): never acted on.
+        # A source that is not the VM that signed (a path trick): never acted on.
         forged = scheduled_record(emu, "vm-b", theirs, ["vm-b"])
         forged["source"] = forged["source"].replace("vm-b", "vm-b/../vm-a")
-        assert approver.handle(forged)["reason"] == "unauthenticated_source"
+        assert (approver.handle(forged)["decision"], approver.handle(forged)["reason"]) == ("untrusted", "unauthenticated")
         assert event_status(emu, theirs) == "Scheduled" and emu.stats()["start_requests"] == []
         # A scale-set instance is acknowledged on its scale set; every path component is escaped.
         instance = emu.schedule(type="Reboot", source="User", resources=["ss_4"], start_after=900)
         outcome = approver.handle(scheduled_record(emu, "ss_4", instance, ["ss_4"]))
         assert (outcome["decision"], outcome["target"]) == ("approved", "virtualMachineScaleSets/ss")
+        assert outcome["vm"] == resource_id(emu, "ss_4") and "/virtualMachineScaleSets/ss/virtualMachines/" in outcome["vm"]
         assert event_status(emu, instance) == "Started"
     target = arm_route.target_of("/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/a?b#c")
     assert target.path("E/../x").endswith("/virtualMachines/a%3Fb%23c/providers/Microsoft.Maintenance/"
                                           "scheduledevents/E%2F..%2Fx/acknowledge")
 
 
-def test_throttling_releases_the_key_so_a_later_copy_retries(certs, identity):
+def test_forged_other_vm_signed_altered_stale_or_replayed_records_never_reach_arm(tmp_path, certs, identity):
+    """Abuse: a stream sender (any VM with Data Sender, or a local process using its identity) tries
+    to get vm-a's event approved through the ARM route without vm-a's record key."""
+    with arm_emulator(certs, vms=["vm-a", "vm-b"]) as emu:
+        identity(emu)
+        approver = approver_for(emu, certs, tmp_path)
+        event = emu.schedule(type="Reboot", source="Platform", resources=["vm-a"], start_after=900)
+        other_master = sign_record(derive_key(b"another-fleet-master-secret!", RECORD_PURPOSE, resource_id(emu, "vm-a")),
+                                   scheduled_record(emu, "vm-a", event, ["vm-a"], signer=""))
+        altered = scheduled_record(emu, "vm-a", event, ["vm-b"])
+        altered["data"]["Resources"] = ["vm-a"]  # signed by vm-a, then a claim changed in transit
+        untrusted = [
+            scheduled_record(emu, "vm-a", event, ["vm-a"], signer=""),  # unsigned
+            scheduled_record(emu, "vm-a", event, ["vm-a"], signer="vm-b"),  # vm-b's key, vm-a's source
+            other_master,  # a key of another fleet
+            altered,
+        ]
+        outcomes = approver.handle_many(untrusted)
+        assert [(o["decision"], o["reason"]) for o in outcomes] == [("untrusted", "unauthenticated")] * 4
+        assert approver.untrusted == 4
+        # vm-b's own, validly signed record naming vm-a's event: vm-b speaks only for itself.
+        by_b = approver.handle(scheduled_record(emu, "vm-b", event, ["vm-a"]))
+        assert (by_b["decision"], by_b["reason"]) == ("skip", "not_this_vm")
+        # vm-a's genuine record, but hours old (captured and sent again later): stale.
+        old = scheduled_record(emu, "vm-a", event, ["vm-a"], time="2026-01-01T00:00:00Z")
+        old["id"] = "rec-old"
+        stale = approver.handle(sign_record(record_key(resource_id(emu, "vm-a")), {k: v for k, v in old.items()
+                                                                                  if k != "sefwdauth"}))
+        assert (stale["decision"], stale["reason"]) == ("skip", "stale_record")
+        assert emu.stats()["arm_requests"] == [] and emu.stats()["start_requests"] == []
+        assert event_status(emu, event) == "Scheduled"
+        # The same event in vm-a's genuine record (its policy: user-initiated) is approved once; a
+        # replay of that record, even to a restarted approver (empty memory, same durable cache), is not.
+        user_event = emu.schedule(type="Reboot", source="User", resources=["vm-a"], start_after=900)
+        genuine = scheduled_record(emu, "vm-a", user_event, ["vm-a"])
+        assert approver.handle(genuine)["decision"] == "approved"
+        approver.seen.close()
+        restarted = approver_for(emu, certs, tmp_path)
+        assert restarted.handle(copy.deepcopy(genuine))["decision"] == "replayed"
+        assert [(r["status"], user_event in r["path"]) for r in emu.stats()["arm_requests"]] == [(200, True)]
+
+
+def test_throttling_releases_the_key_so_a_later_copy_retries(tmp_path, certs, identity):
     with arm_emulator(certs, vms=["vm-a"]) as emu:
         identity(emu)
-        approver = approver_for(emu, certs, ARM_RETRIES="1")
+        approver = approver_for(emu, certs, tmp_path, ARM_RETRIES="1")
         event = emu.schedule(type="Reboot", source="User", resources=["vm-a"], start_after=900)
         emu.inject_fault("status", status=429, retry_after="0.1", count=2, path="arm")
         record = scheduled_record(emu, "vm-a", event, ["vm-a"])
         first = approver.handle(record)
         assert (first["decision"], first["http_status"]) == ("failed", 429)
-        again = approver.handle(copy.deepcopy(record))
+        again = approver.handle(copy.deepcopy(record))  # a redelivery of the same record: not a replay yet
         assert again["decision"] == "approved" and event_status(emu, event) == "Started"
+        assert approver.handle(copy.deepcopy(record))["decision"] == "replayed"  # once it was acted on
         assert [r["status"] for r in emu.stats()["arm_requests"]] == [429, 429, 200]
 
 
-def test_settings_and_route_selection():
+def test_settings_and_route_selection(tmp_path):
     assert arm_route.route({}) == "callback" and arm_route.route({"APPROVAL_ROUTE": "ARM"}) == "arm"
     with pytest.raises(ValueError, match="APPROVAL_ROUTE"):
         arm_route.route({"APPROVAL_ROUTE": "ssh"})
     with pytest.raises(ValueError) as info:
         arm_route.ArmSettings.from_env({"ARM_ENDPOINT": "http://x", "ARM_RETRIES": "-1", "ARM_CA_BUNDLE": "/nope.pem",
                                         "SEFWD_WEBHOOK_SECRET": "nope"})
-    for problem in ("must be https://", "ARM_RETRIES", "ARM_CA_BUNDLE: no file", "SEFWD_WEBHOOK_SECRET"):
+    for problem in ("must be https://", "ARM_RETRIES", "ARM_CA_BUNDLE: no file", "SEFWD_WEBHOOK_SECRET",
+                    "SEFWD_MASTER_SECRET is required"):  # the ARM route acts on authenticated records only
         assert problem in str(info.value)
-    settings = arm_route.ArmSettings.from_env({"AZURE_CLIENT_ID": "1111", "DRY_RUN": "true"})
+    settings = arm_route.ArmSettings.from_env({"AZURE_CLIENT_ID": "1111", "DRY_RUN": "true",
+                                               "SEFWD_MASTER_SECRET": MASTER_SECRET,
+                                               "SEEN_RECORDS_PATH": str(tmp_path / "seen.db")})
     assert settings.endpoint == "https://management.azure.com" and settings.managed_identity_client_id == "1111"
+    assert settings.masters == (MASTER,)
     dry = arm_route.ArmRemoteApprover(settings, deduper=Deduper())
     rid = "/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm-a"
-    rec = {"type": "scheduledevent.scheduled", "source": rid, "eventkey": "E:scheduled",
+    rec = {"id": "r1", "type": "scheduledevent.scheduled", "source": rid, "eventkey": "E:scheduled", "time": now_text(),
            "data": {"EventId": "E", "EventType": "Reboot", "EventSource": "User", "EventStatus": "Scheduled",
                     "Resources": ["vm-a"], "Vm": {"ResourceId": rid}}}
-    assert dry.handle(rec)["decision"] == "dry_run"  # no client, no token, nothing sent
+    assert dry.handle(rec)["decision"] == "untrusted"  # unsigned
+    outcome = dry.handle(sign_record(record_key(rid), rec))
+    assert (outcome["decision"], outcome["target"]) == ("dry_run", "virtualMachines/vm-a")  # no client, no token
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("azure.functions") is None, reason="azure-functions missing")
-def test_function_app_selects_the_route(monkeypatch):
+def test_function_app_selects_the_route(monkeypatch, tmp_path):
     import function_app
 
     monkeypatch.setenv("APPROVAL_ROUTE", "arm")
+    monkeypatch.setenv("SEFWD_MASTER_SECRET", MASTER_SECRET)
+    monkeypatch.setenv("SEEN_RECORDS_PATH", str(tmp_path / "seen.db"))
     function_app.get_approver.cache_clear()
     try:
         assert isinstance(function_app.get_approver(), arm_route.ArmRemoteApprover)

@@ -27,7 +27,7 @@ from forwarder.imds.document import parse_document
 from forwarder.imds.identity import VmIdentity as AgentVm
 from forwarder.records import RecordFactory
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
-from tests.fleet import MASTER, MASTER_SECRET, callback_secret, record, record_key, resource_id
+from tests.fleet import MASTER, MASTER_SECRET, callback_secret, function_handlers, record, record_key, resource_id
 
 import approver_client  # noqa: E402  (tests.fleet puts the app folder on sys.path)
 import pipeline  # noqa: E402
@@ -293,7 +293,7 @@ def test_the_event_hubs_trigger_acts_only_on_authenticated_records(recorder, tmp
         monkeypatch.setenv(name, value)
     function_app.get_approver.cache_clear()
     try:
-        handler = {f.get_function_name(): f.get_user_function() for f in function_app.app.get_functions()}["sefwd_eventhub"]
+        handler = function_handlers()["sefwd_eventhub"]
         forged = [record("Reboot", "User", -1, resources=["WestNO_0"], seen_by="WestNO_1", claim="WestNO_0"),
                   record("Reboot", "User", -1, resources=["WestNO_0"], seen_by="WestNO_0", signer="")]
         handler([func.EventHubEvent(body=json.dumps(r).encode()) for r in forged])

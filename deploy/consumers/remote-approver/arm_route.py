@@ -10,22 +10,26 @@ Microsoft.Maintenance/scheduledevents/acknowledge/action on the VMs / scale sets
 "Scheduled Events Contributor" (b67fe603-310e-4889-b9ee-8257d09d353d), assigned on the resource
 groups (or the VMs) it may approve for, nothing wider.
 
-A VM speaks only for itself: the target is built only from the identity of the VM that sent the
-record (never from Resources or other free-text fields), every path component percent-escaped, and
-an event is acknowledged only if its Resources name that VM.
+Every trust decision is pipeline.RemoteApprover's, the same as the callback route's: only records
+whose ``sefwdauth`` verifies for the VM in their ``source`` (decide.authenticated_vm), each record id
+once (the durable seen-records cache), none older than RECORD_MAX_AGE_SECONDS, and only events whose
+Resources name that VM and whose leader it is. This module only delivers: the target is built only
+from the authenticated identity (never from Resources or other free-text fields), every path
+component percent-escaped.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from decide import Deduper, OutcomeFolder, Policy, dedupe_key, should_approve
-from pipeline import _flag, approver_name, ca_bundle_setting, policy_and_webhook_secrets, positive_numbers
+from decide import Deduper, VmIdentity
+from pipeline import Delivery, RemoteApprover, TrustSettings, ca_bundle_setting, positive_numbers
+from seen_records import SeenRecords
 
 log = logging.getLogger(__name__)
 
@@ -76,44 +80,24 @@ def target_of(resource_id: str) -> ArmTarget:
     raise ValueError(f"not a VM or scale-set instance resource ID: {resource_id!r}")
 
 
-def authenticated_resource_id(record: Mapping[str, Any]) -> str | None:
-    """The resource ID of the VM that speaks for this record, or None if it cannot be trusted.
-
-    TODO(i21a, hook point): once decide.authenticated_vm(record) exists (per-VM record
-    authentication), take the resource ID of the VM it returns instead. Until then the record's
-    CloudEvents ``source`` must be a VM resource ID and equal ``data.Vm.ResourceId`` (both set by
-    the agent from the VM's instance metadata); anything else is refused.
-    """
-    source = record.get("source")
-    data = record.get("data")
-    vm = data.get("Vm") if isinstance(data, Mapping) else None
-    claimed = vm.get("ResourceId") if isinstance(vm, Mapping) else None
-    if not isinstance(source, str) or not source.startswith("/subscriptions/") or source != claimed:
-        return None
-    return source
-
-
-def names_vm(record: Mapping[str, Any], vm_name: str) -> bool:
-    """Whether the event's Resources name this VM (leading "_" of 2017-03-01 stripped, any case)."""
-    data = record.get("data")
-    resources = data.get("Resources") if isinstance(data, Mapping) else None
-    return any(isinstance(r, str) and r.lstrip("_").lower() == vm_name.lower() for r in resources or ())
+def target_for(vm: VmIdentity) -> ArmTarget:
+    """The target of an authenticated VM: its own resource ID (a scale-set instance: its scale set)."""
+    try:
+        return target_of(vm.resource_id)
+    except ValueError as exc:
+        raise LookupError(str(exc)) from None
 
 
 @dataclass(frozen=True)
-class ArmSettings:
-    """App settings of the ARM route (README.md: "The ARM route")."""
+class ArmSettings(TrustSettings):
+    """App settings of the ARM route (README.md: "The ARM route"), besides the shared trust settings."""
 
-    policy: Policy
-    webhook_secrets: tuple[str, ...] = field(default=(), repr=False)
     endpoint: str = DEFAULT_ENDPOINT
     scope: str = DEFAULT_SCOPE
     retries: int = 4
     timeout: float = 10.0
     managed_identity_client_id: str | None = None  # a user-assigned identity; None: system-assigned/default chain
     verify: bool | str = True  # ARM_CA_BUNDLE: a private CA (tests, an ARM proxy)
-    approver_name: str = "remote-approver"
-    dry_run: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> ArmSettings:
@@ -122,19 +106,18 @@ class ArmSettings:
         endpoint = env.get("ARM_ENDPOINT", "").strip().rstrip("/") or DEFAULT_ENDPOINT
         if not endpoint.lower().startswith("https://"):
             problems.append(f"ARM_ENDPOINT must be https:// (bearer tokens never go over plain HTTP), got {endpoint!r}")
-        policy, webhook_secrets = policy_and_webhook_secrets(env, problems)
+        shared = cls.shared_from_env(env, problems)
         numbers = positive_numbers(env, (("ARM_RETRIES", 4.0), ("ARM_TIMEOUT_SECONDS", 10.0)), problems,
                                    zero_ok=("ARM_RETRIES",))
         ca_bundle = ca_bundle_setting(env, "ARM_CA_BUNDLE", problems)
         if problems:
             raise ValueError("remote approver settings (APPROVAL_ROUTE=arm): " + "; ".join(problems))
         return cls(
-            policy=policy, webhook_secrets=webhook_secrets, endpoint=endpoint,
+            **shared, endpoint=endpoint,
             scope=env.get("ARM_SCOPE", "").strip() or DEFAULT_SCOPE, retries=int(numbers["ARM_RETRIES"]),
             timeout=numbers["ARM_TIMEOUT_SECONDS"],
             managed_identity_client_id=env.get("AZURE_CLIENT_ID", "").strip() or None,
             verify=ca_bundle or True,
-            approver_name=approver_name(env), dry_run=_flag(env.get("DRY_RUN")),
         )
 
 
@@ -156,7 +139,7 @@ class ArmClient:
             from azure.identity import DefaultAzureCredential
 
             credential = DefaultAzureCredential(managed_identity_client_id=settings.managed_identity_client_id)
-        config = Configuration()
+        config: Configuration[Any, Any] = Configuration()
         config.headers_policy = policies.HeadersPolicy()
         config.user_agent_policy = policies.UserAgentPolicy(sdk_moniker="sefwd-remote-approver")
         config.proxy_policy = policies.ProxyPolicy()
@@ -166,7 +149,8 @@ class ArmClient:
         config.redirect_policy = policies.RedirectPolicy()
         config.authentication_policy = ARMChallengeAuthenticationPolicy(credential, settings.scope)
         self.settings = settings
-        self._client = ARMPipelineClient(base_url=settings.endpoint, config=config, connection_verify=settings.verify)
+        self._client: ARMPipelineClient[Any, Any] = ARMPipelineClient(base_url=settings.endpoint, config=config,
+                                                                      connection_verify=settings.verify)
 
     def acknowledge(self, target: ArmTarget, event_id: str) -> dict[str, Any]:
         """{"ok", "final", "http_status", "reason"}; never raises for ARM's or the network's answers."""
@@ -193,73 +177,33 @@ class ArmClient:
         return {"ok": False, "final": final, "http_status": status, "reason": f"arm_{status}_{code or 'error'}"}
 
 
-class ArmRemoteApprover:
-    """Decide each record once (by eventkey) and acknowledge it through ARM on the record's own VM."""
+class ArmRoute:
+    """APPROVAL_ROUTE=arm: acknowledge on the authenticated VM's own resource, with the app's identity."""
 
-    def __init__(self, settings: ArmSettings, *, client: ArmClient | None = None, deduper: Deduper | None = None) -> None:
+    name = "arm"
+
+    def __init__(self, settings: ArmSettings, client: ArmClient | None = None) -> None:
         self.settings = settings
-        self.deduper = deduper or Deduper()
-        self.outcomes = OutcomeFolder()
         self._client = client
 
     @property
     def client(self) -> ArmClient:
-        if self._client is None:
+        if self._client is None:  # lazily: a dry run or an untrusted stream never needs a token
             self._client = ArmClient(self.settings)
         return self._client
 
-    def handle(self, record: Mapping[str, Any]) -> dict[str, Any]:
-        raw = record.get("data")
-        data: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-        outcome: dict[str, Any] = {"id": record.get("id"), "type": record.get("type"), "EventId": data.get("EventId"),
-                                   "route": "arm"}
-        folded = self.outcomes.add(record)
-        if folded is not None:
-            _, fleet_outcome, changed = folded
-            outcome.update(decision="outcome" if changed else "duplicate", reason=f"fleet_outcome_{fleet_outcome}",
-                           eventkey=record.get("eventkey"), outcome=fleet_outcome)
-            return outcome
-        approve, reason = should_approve(record, self.settings.policy)
-        outcome["reason"] = reason
-        if not approve:
-            outcome["decision"] = "skip"
-            return outcome
-        resource_id = authenticated_resource_id(record)
-        try:
-            target = target_of(resource_id) if resource_id is not None else None
-        except ValueError:
-            target = None
-        if target is None:
-            outcome.update(decision="refused", reason="unauthenticated_source")
-            return outcome
-        if not names_vm(record, target.vm_name):
-            # A VM speaks only for itself: an event whose Resources do not name it is not its to approve.
-            outcome.update(decision="refused", reason="not_this_vms_event")
-            return outcome
-        key = dedupe_key(record)
-        outcome["eventkey"] = key
-        if not self.deduper.claim(key):
-            outcome["decision"] = "duplicate"
-            return outcome
-        outcome["target"] = f"{target.resource_type}/{target.name}"
-        if self.settings.dry_run:
-            log.info("DRY_RUN: would acknowledge %s (%s) on %s", data.get("EventId"), reason, resource_id)
-            outcome["decision"] = "dry_run"
-            return outcome
-        answer = self.client.acknowledge(target, str(data["EventId"]))
-        if not answer["final"]:
-            self.deduper.release(key)  # throttled or unavailable after the retries: the next copy tries again
-        outcome.update(decision="approved" if answer["ok"] else "refused" if answer["final"] else "failed",
-                       answer=answer["reason"], http_status=answer["http_status"])
-        return outcome
+    def delivery(self, vm: VmIdentity) -> Delivery:
+        target = target_for(vm)
+        return Delivery(f"{target.resource_type}/{target.name}", target.path("{EventId}"),
+                        lambda event_id, note: self.client.acknowledge(target, event_id))
 
-    def handle_many(self, records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-        outcomes = [self.handle(record) for record in records]
-        for o in outcomes:
-            if o["decision"] != "skip":
-                log.info("record %s %s event %s: %s (%s) via ARM target=%s http=%s", o.get("id"), o.get("type"),
-                         o.get("EventId"), o["decision"], o["reason"], o.get("target"), o.get("http_status"))
-        return outcomes
+
+class ArmRemoteApprover(RemoteApprover):
+    """pipeline.RemoteApprover (the one decision path) delivering through ARM."""
+
+    def __init__(self, settings: ArmSettings, *, client: ArmClient | None = None, deduper: Deduper | None = None,
+                 seen: SeenRecords | None = None) -> None:
+        super().__init__(settings, route=ArmRoute(settings, client), deduper=deduper, seen=seen)
 
 
 def from_env(env: Mapping[str, str] | None = None) -> ArmRemoteApprover:

@@ -19,11 +19,12 @@ app = func.FunctionApp()
 
 
 @functools.lru_cache(maxsize=1)
-def get_approver() -> RemoteApprover | arm_route.ArmRemoteApprover:
+def get_approver() -> RemoteApprover:
     """One approver per worker process, so de-duplication spans invocations.
 
     APPROVAL_ROUTE selects how an approval reaches the VM: ``callback`` (default, the signed callback
     on each VM) or ``arm`` (Azure Resource Manager with this app's managed identity: arm_route.py).
+    Both decide the same way (pipeline.RemoteApprover): authenticated records only, each once.
     """
     if arm_route.route(os.environ) == "arm":
         return arm_route.from_env(os.environ)

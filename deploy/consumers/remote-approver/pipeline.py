@@ -9,7 +9,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import requests
@@ -101,22 +101,57 @@ def approver_name(env: Mapping[str, str]) -> str:
     return env.get("APPROVER_NAME", "").strip() or (f"azure-function:{site}" if site else "remote-approver")
 
 
-@dataclass(frozen=True)
-class Settings:
-    """The app settings this function reads (see README.md: "App settings")."""
+def master_keys(env: Mapping[str, str], problems: list[str]) -> tuple[bytes, ...]:
+    """SEFWD_MASTER_SECRET: the fleet master(s), the first signs; required by both routes."""
+    masters: list[bytes] = []
+    for position, value in enumerate(env.get("SEFWD_MASTER_SECRET", "").split(), 1):
+        problem = secret_problem(value)
+        if problem:
+            problems.append(f"SEFWD_MASTER_SECRET: secret #{position} {problem}")
+        else:
+            masters.append(streamauth.master_key(value))
+    if not env.get("SEFWD_MASTER_SECRET", "").strip():
+        problems.append("SEFWD_MASTER_SECRET is required (the fleet master secret: records are verified "
+                        "with it, and per-VM callback secrets derived; `sefwd keys new-master`)")
+    return tuple(masters)
 
-    policy: Policy
-    callback_url_template: str
-    masters: tuple[bytes, ...] = field(repr=False)  # the fleet master(s): the first signs approvals
+
+@dataclass(frozen=True)
+class TrustSettings:
+    """What both routes share: who is trusted (the fleet master), the policy, the replay cache, staleness."""
+
+    policy: Policy = field(default_factory=Policy)
+    masters: tuple[bytes, ...] = field(default=(), repr=False)  # the fleet master(s): the first signs approvals
     webhook_secrets: tuple[str, ...] = field(default=(), repr=False)
-    callback_urls: Mapping[str, str] = field(default_factory=dict)  # lower-case resourceId or VM name -> URL
     seen_records_path: Path = Path("seen-records.db")
     record_max_age: float = 3600.0
     approver_name: str = "remote-approver"
+    dry_run: bool = False
+
+    @staticmethod
+    def shared_from_env(env: Mapping[str, str], problems: list[str]) -> dict[str, Any]:
+        """The shared settings as keyword arguments; problems are appended."""
+        masters = master_keys(env, problems)
+        policy, webhook_secrets = policy_and_webhook_secrets(env, problems)
+        numbers = positive_numbers(env, (("RECORD_MAX_AGE_SECONDS", 3600.0),), problems)
+        # Durable across restarts; under /home on Azure Functions (persisted, shared by the instances
+        # of Premium and Dedicated plans).
+        seen = env.get("SEEN_RECORDS_PATH", "").strip() or str(Path(env.get("HOME", ".")) / "data" / "sefwd-approver"
+                                                                 / "seen-records.db")
+        return {"policy": policy, "masters": masters, "webhook_secrets": webhook_secrets,
+                "seen_records_path": Path(seen), "record_max_age": numbers["RECORD_MAX_AGE_SECONDS"],
+                "approver_name": approver_name(env), "dry_run": _flag(env.get("DRY_RUN"))}
+
+
+@dataclass(frozen=True)
+class Settings(TrustSettings):
+    """The app settings of the callback route (see README.md: "App settings")."""
+
+    callback_url_template: str = ""
+    callback_urls: Mapping[str, str] = field(default_factory=dict)  # lower-case resourceId or VM name -> URL
     verify: bool | str = True
     timeout: float = 5.0
     attempts: int = 3
-    dry_run: bool = False
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings:
@@ -140,63 +175,19 @@ class Settings:
                 template.format(vm_name="vm", vm_lower="vm", vm_dns="vm")
             except (KeyError, IndexError, ValueError) as exc:
                 problems.append(f"CALLBACK_URL_TEMPLATE: only {{vm_name}}, {{vm_lower}}, {{vm_dns}} are allowed: {exc!r}")
-        masters: list[bytes] = []
-        for position, value in enumerate(env.get("SEFWD_MASTER_SECRET", "").split(), 1):
-            problem = secret_problem(value)
-            if problem:
-                problems.append(f"SEFWD_MASTER_SECRET: secret #{position} {problem}")
-            else:
-                masters.append(streamauth.master_key(value))
-        if not env.get("SEFWD_MASTER_SECRET", "").strip():
-            problems.append("SEFWD_MASTER_SECRET is required (the fleet master secret: records are verified "
-                            "and per-VM callback secrets derived with it; `sefwd keys new-master`)")
         if env.get("SEFWD_CALLBACK_SECRET", "").strip():
             # One secret shared by every VM let an approval captured for one VM approve on another.
             problems.append("SEFWD_CALLBACK_SECRET (one callback secret for all VMs) is no longer used: set "
                             "SEFWD_MASTER_SECRET and give each VM its derived callback secret (README: Migration)")
-        webhook_secrets = tuple(env.get("SEFWD_WEBHOOK_SECRET", "").split())
-        for position, value in enumerate(webhook_secrets, 1):
-            problem = secret_problem(value)
-            if problem:
-                problems.append(f"SEFWD_WEBHOOK_SECRET: secret #{position} {problem}")
-        try:
-            policy = Policy.from_settings(env)
-        except ValueError as exc:
-            problems.append(f"MAX_FREEZE_SECONDS: {exc}")
-            policy = Policy()
-        unknown = sorted(policy.event_types - ALL_EVENT_TYPES)
-        if unknown:
-            problems.append(f"APPROVE_EVENT_TYPES: unknown event types {unknown} (known: {sorted(ALL_EVENT_TYPES)})")
-        numbers: dict[str, float] = {}
-        for name, default in (("CALLBACK_TIMEOUT_SECONDS", 5.0), ("CALLBACK_ATTEMPTS", 3.0),
-                              ("RECORD_MAX_AGE_SECONDS", 3600.0)):
-            try:
-                numbers[name] = float(env.get(name, "") or default)
-                if numbers[name] <= 0:
-                    raise ValueError("must be greater than zero")
-            except ValueError as exc:
-                problems.append(f"{name}: {exc}")
-                numbers[name] = default
-        ca_bundle = env.get("CALLBACK_CA_BUNDLE", "").strip()
-        if ca_bundle:
-            # A relative path is a file shipped with the app (e.g. certs/contoso-ca.pem).
-            ca_bundle = str(APP_DIR / ca_bundle) if not Path(ca_bundle).is_absolute() else ca_bundle
-            if not Path(ca_bundle).is_file():
-                problems.append(f"CALLBACK_CA_BUNDLE: no file {ca_bundle}")
+        shared = cls.shared_from_env(env, problems)
+        numbers = positive_numbers(env, (("CALLBACK_TIMEOUT_SECONDS", 5.0), ("CALLBACK_ATTEMPTS", 3.0)), problems)
+        ca_bundle = ca_bundle_setting(env, "CALLBACK_CA_BUNDLE", problems)
         if problems:
             raise ValueError("remote approver settings: " + "; ".join(problems))
-        site = env.get("WEBSITE_SITE_NAME", "").strip()
-        # Durable across restarts; under /home on Azure Functions (persisted, shared by the instances
-        # of Premium and Dedicated plans).
-        seen = env.get("SEEN_RECORDS_PATH", "").strip() or str(Path(env.get("HOME", ".")) / "data" / "sefwd-approver"
-                                                                 / "seen-records.db")
         return cls(
-            policy=policy, callback_url_template=template, masters=tuple(masters),
-            webhook_secrets=webhook_secrets, callback_urls=urls, seen_records_path=Path(seen),
-            record_max_age=numbers["RECORD_MAX_AGE_SECONDS"],
-            approver_name=env.get("APPROVER_NAME", "").strip() or (f"azure-function:{site}" if site else "remote-approver"),
+            **shared, callback_url_template=template, callback_urls=urls,
             verify=ca_bundle or True, timeout=numbers["CALLBACK_TIMEOUT_SECONDS"],
-            attempts=int(numbers["CALLBACK_ATTEMPTS"]), dry_run=_flag(env.get("DRY_RUN")),
+            attempts=int(numbers["CALLBACK_ATTEMPTS"]),
         )
 
     def callback_url(self, vm: VmIdentity) -> str:
@@ -217,29 +208,76 @@ class Settings:
 
 
 ApproveFn = Callable[..., dict[str, Any]]
+# An approval to send: (EventId, note) -> {"ok", "final", "http_status", "reason"}; never raises.
+SendFn = Callable[[str, str], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where one approval for an authenticated VM goes, and how."""
+
+    target: str  # what the outcome reports (the VM name; for ARM "<resource type>/<name>")
+    where: str  # for logs: the callback URL or the ARM path
+    send: SendFn
+
+
+class Route(Protocol):
+    """How an approval reaches the VM; every trust decision is RemoteApprover's, never the route's."""
+
+    name: str
+
+    def delivery(self, vm: VmIdentity) -> Delivery:
+        """The delivery to the authenticated ``vm`` (built only from its identity); LookupError if none."""
+        ...
+
+
+class CallbackRoute:
+    """APPROVAL_ROUTE=callback: a signed approval to the VM's own callback, with its derived secret."""
+
+    name = "callback"
+
+    def __init__(self, settings: Settings, session: requests.Session, approve: ApproveFn) -> None:
+        self.settings = settings
+        self.session = session
+        self._approve = approve
+
+    def delivery(self, vm: VmIdentity) -> Delivery:
+        url = self.settings.callback_url(vm)
+
+        def send(event_id: str, note: str) -> dict[str, Any]:
+            return self._approve(url, self.settings.callback_secret(vm), [event_id], self.settings.approver_name, note,
+                                 resource_id=vm.resource_id, timeout=self.settings.timeout, session=self.session,
+                                 verify=self.settings.verify, attempts=self.settings.attempts)
+        return Delivery(vm.name, url, send)
 
 
 class RemoteApprover:
     """Act only on authenticated records, each once; approve an event only on the VM that sent the
-    record, and only when that VM is named in the event and is its leader."""
+    record, and only when that VM is named in the event and is its leader. The one decision path of
+    both routes: the route only delivers."""
 
-    def __init__(self, settings: Settings, *, deduper: Deduper | None = None, seen: SeenRecords | None = None,
-                 session: requests.Session | None = None, approve: ApproveFn = approver_client.approve) -> None:
+    def __init__(self, settings: TrustSettings, *, route: Route | None = None, deduper: Deduper | None = None,
+                 seen: SeenRecords | None = None, session: requests.Session | None = None,
+                 approve: ApproveFn = approver_client.approve) -> None:
         self.settings = settings
         self.deduper = deduper or Deduper()
         # Retention beyond the max age: a record older than that is refused as stale before the lookup.
         self.seen = seen or SeenRecords(settings.seen_records_path, retention=2 * settings.record_max_age + 600)
         self.untrusted = 0  # records refused for a missing or wrong sefwdauth (also logged)
         self.outcomes = OutcomeFolder()
-        # One pooled session per function instance; requests' Session is safe for this use.
-        self.session = session or requests.Session()
-        self._approve = approve
+        if route is None:
+            if not isinstance(settings, Settings):
+                raise TypeError("the callback route needs the callback Settings")
+            # One pooled session per function instance; requests' Session is safe for this use.
+            route = CallbackRoute(settings, session or requests.Session(), approve)
+        self.route = route
 
     def handle(self, record: Mapping[str, Any]) -> dict[str, Any]:
         """Decide one record; returns what happened (also logged)."""
         raw = record.get("data")
         data: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-        outcome: dict[str, Any] = {"id": record.get("id"), "type": record.get("type"), "EventId": data.get("EventId")}
+        outcome: dict[str, Any] = {"id": record.get("id"), "type": record.get("type"), "EventId": data.get("EventId"),
+                                   "route": self.route.name}
         vm = authenticated_vm(record, self.settings.masters)
         if vm is None:
             # Forged, altered, signed with another VM's key, unsigned, or not from a VM: nobody vouches for it.
@@ -274,28 +312,24 @@ class RemoteApprover:
         if not self.deduper.claim(key):
             outcome["decision"] = "duplicate"
             return outcome
-        outcome["target"] = vm.name
         try:
-            url = self.settings.callback_url(vm)
+            delivery = self.route.delivery(vm)
         except LookupError as exc:
             log.error("%s", exc)
             self.seen.release(seen_key)
             self.deduper.release(key)
-            outcome.update(decision="failed", detail=str(exc))
+            outcome.update(decision="failed", target=vm.name, detail=str(exc))
             return outcome
+        outcome["target"] = delivery.target
         if self.settings.dry_run:
-            log.info("DRY_RUN: would approve %s (%s) via %s", data.get("EventId"), reason, url)
+            log.info("DRY_RUN: would approve %s (%s) via %s %s", data.get("EventId"), reason, self.route.name,
+                     delivery.where)
             outcome["decision"] = "dry_run"
             return outcome
-        answer = self._approve(
-            url, self.settings.callback_secret(vm), [str(data["EventId"])], self.settings.approver_name,
-            f"{reason} (record {record.get('id')})", resource_id=vm.resource_id,
-            timeout=self.settings.timeout, session=self.session, verify=self.settings.verify,
-            attempts=self.settings.attempts,
-        )
+        answer = delivery.send(str(data["EventId"]), f"{reason} (record {record.get('id')})")
         if not answer.get("final", True):
-            # Unreachable or 5xx after every attempt: forget the keys so a redelivery or the VM's
-            # next record tries again. The event still proceeds at NotBefore.
+            # Unreachable, throttled or 5xx after every attempt: forget the keys so a redelivery or
+            # the VM's next record tries again. The event still proceeds at NotBefore.
             self.deduper.release(key)
             self.seen.release(seen_key)
         outcome.update(
@@ -326,8 +360,9 @@ class RemoteApprover:
         outcomes = [self.handle(record) for record in records]
         for o in outcomes:
             if o["decision"] not in ("skip", "untrusted"):
-                log.info("record %s %s event %s: %s (%s) target=%s http=%s", o.get("id"), o.get("type"),
-                         o.get("EventId"), o["decision"], o["reason"], o.get("target"), o.get("http_status"))
+                log.info("record %s %s event %s: %s (%s) via %s target=%s http=%s", o.get("id"), o.get("type"),
+                         o.get("EventId"), o["decision"], o["reason"], o["route"], o.get("target"),
+                         o.get("http_status"))
         return outcomes
 
 
