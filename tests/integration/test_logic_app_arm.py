@@ -1,7 +1,9 @@
 """The Logic App's ARM approval branch (deploy/consumers/logic-app/workflow.json, ``Arm_target`` and
 ``Approve_via_ARM``), run by the Workflow Definition Language interpreter of test_deploy_fold on
-records from sefwd's own record factory, and the acknowledgement it builds sent to the emulator's
-ARM side with a managed-identity token: the guard lets a VM approve only its own events."""
+records from sefwd's own record factory (signed with the VM's own record key, as a fleet with
+remote approval runs: the branch must accept the ``sefwdauth`` attribute it cannot verify), and the
+acknowledgement it builds sent to the emulator's ARM side with a managed-identity token: the guard
+lets a record name only its own VM as the target."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,11 +14,13 @@ import orjson
 import pytest
 import requests
 
+from forwarder.common.fleet_keys import RECORD_PURPOSE, derive_key
 from forwarder.imds.differ import diff
 from forwarder.imds.document import parse_document
 from forwarder.imds.identity import VmIdentity
 from forwarder.records import RecordFactory
 from tests.arm import ArmCerts, arm_certs, arm_emulator, event_status
+from tests.fleet import MASTER
 from tests.unit.test_deploy_fold import PARAMETERS, LogicApp, Run, Table, _workflow
 
 pytestmark = pytest.mark.timeout(60)
@@ -57,8 +61,11 @@ def scheduled(identity: dict[str, Any], event_id: str, resources: list[str], sou
         "Resources": resources, "NotBefore": "Tue, 24 Nov 2026 12:00:00 GMT", "Description": "",
         "EventSource": source, "DurationInSeconds": -1}]}))
     vm = VmIdentity.from_compute(identity)
-    (record,) = RecordFactory(vm, "2020-07-01").for_changes(diff(None, doc, doc.events[0].not_before), doc)  # type: ignore[arg-type]
-    return record.to_dict()
+    key = derive_key(MASTER, RECORD_PURPOSE, identity["resourceId"])
+    (record,) = RecordFactory(vm, "2020-07-01", key=key).for_changes(diff(None, doc, doc.events[0].not_before), doc)  # type: ignore[arg-type]
+    signed = record.to_dict()
+    assert signed["sefwdauth"].startswith("v1,")
+    return signed
 
 
 @pytest.fixture
