@@ -20,7 +20,7 @@ from forwarder.common.fleet_keys import RECORD_PURPOSE, as_secret, derive_key
 from forwarder.common.record_auth import sign_record
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 from tests.arm import ArmCerts, arm_certs, arm_emulator, event_status, resource_id
-from tests.fleet import MASTER, MASTER_SECRET, now_text
+from tests.fleet import MASTER, MASTER_SECRET, function_handlers, now_text
 
 APP_DIR = Path(__file__).resolve().parents[2] / "deploy" / "consumers" / "remote-approver"
 if str(APP_DIR) not in sys.path:
@@ -272,3 +272,37 @@ def test_function_app_selects_the_route(monkeypatch, tmp_path):
         assert isinstance(function_app.get_approver(), arm_route.ArmRemoteApprover)
     finally:
         function_app.get_approver.cache_clear()
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("azure.functions") is None, reason="azure-functions missing")
+def test_the_event_hubs_trigger_on_the_arm_route_acts_only_on_authenticated_records(tmp_path, certs, identity,
+                                                                                   monkeypatch):
+    """The Function's own Event Hubs binding with APPROVAL_ROUTE=arm, bodies as the hub delivers
+    them: a sender with Data Sender rights but without vm-a's key gets no ARM request sent."""
+    import json
+
+    import azure.functions as func
+    import function_app
+
+    with arm_emulator(certs, vms=["vm-a", "vm-b"]) as emu:
+        identity(emu)
+        for name, value in {"APPROVAL_ROUTE": "arm", "ARM_ENDPOINT": emu.arm_url, "ARM_CA_BUNDLE": str(certs.ca),
+                            "SEFWD_MASTER_SECRET": MASTER_SECRET,
+                            "SEEN_RECORDS_PATH": str(tmp_path / "seen.db")}.items():
+            monkeypatch.setenv(name, value)
+        function_app.get_approver.cache_clear()
+        try:
+            handler = function_handlers()["sefwd_eventhub"]
+            event = emu.schedule(type="Reboot", source="Platform", resources=["vm-a"], start_after=900)
+            forged = [scheduled_record(emu, "vm-a", event, ["vm-a"], signer="vm-b"),
+                      scheduled_record(emu, "vm-a", event, ["vm-a"], signer="")]
+            handler([func.EventHubEvent(body=json.dumps(r).encode()) for r in forged])
+            assert emu.stats()["arm_requests"] == [] and function_app.get_approver().untrusted == 2
+            assert event_status(emu, event) == "Scheduled"
+            mine = emu.schedule(type="Reboot", source="User", resources=["vm-a"], start_after=900)
+            genuine = scheduled_record(emu, "vm-a", mine, ["vm-a"])
+            handler([func.EventHubEvent(body=json.dumps(genuine).encode())] * 2)  # delivered twice: acted on once
+            assert [(r["status"], mine in r["path"]) for r in emu.stats()["arm_requests"]] == [(200, True)]
+            assert event_status(emu, mine) == "Started" and event_status(emu, event) == "Scheduled"
+        finally:
+            function_app.get_approver.cache_clear()
