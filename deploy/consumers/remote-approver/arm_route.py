@@ -59,11 +59,15 @@ class ArmTarget:
     name: str
     vm_name: str  # "<vm>" or "<scaleset>_<instance>"
 
-    def path(self, event_id: str) -> str:
-        q = lambda value: quote(value, safe="")  # noqa: E731 - a name can never add a path segment
+    def resource(self) -> str:
+        """The resource's path, every component percent-escaped: a name can never add a path segment."""
+        q = lambda value: quote(value, safe="")  # noqa: E731
         return (f"/subscriptions/{q(self.subscription)}/resourcegroups/{q(self.resource_group)}/providers/"
-                f"Microsoft.Compute/{q(self.resource_type)}/{q(self.name)}/providers/Microsoft.Maintenance/"
-                f"scheduledevents/{q(event_id)}/acknowledge")
+                f"Microsoft.Compute/{q(self.resource_type)}/{q(self.name)}")
+
+    def path(self, event_id: str) -> str:
+        return (f"{self.resource()}/providers/Microsoft.Maintenance/scheduledevents/{quote(event_id, safe='')}"
+                "/acknowledge")
 
 
 def target_of(resource_id: str) -> ArmTarget:
@@ -194,7 +198,7 @@ class ArmRoute:
 
     def delivery(self, vm: VmIdentity) -> Delivery:
         target = target_for(vm)
-        return Delivery(f"{target.resource_type}/{target.name}", target.path("{EventId}"),
+        return Delivery(f"{target.resource_type}/{target.name}", target.resource(),
                         lambda event_id, note: self.client.acknowledge(target, event_id))
 
 
