@@ -82,7 +82,8 @@ def register(meter: Any, tracker: Callable[[], MaintenanceTracker | None]) -> Ac
 
     meter.create_observable_gauge("sefwd.events.pending", [pending], "1",
                                   "Events in the current Scheduled Events document, by type, status and affects_this_vm")
-    meter.create_observable_gauge("sefwd.events.seconds_to_notbefore", [seconds_to_not_before], "s",
+    # Unit left empty: the name says seconds already (with "s" Prometheus would append another _seconds).
+    meter.create_observable_gauge("sefwd.events.seconds_to_notbefore", [seconds_to_not_before], "",
                                   "Seconds to the earliest NotBefore of a Scheduled event affecting this VM "
                                   "(absent when there is none)")
     meter.create_observable_gauge("sefwd.maintenance.active", [active], "1",
