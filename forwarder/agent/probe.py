@@ -243,10 +243,7 @@ class ProbeServer:
         if victim is not None:
             self._warnings.log(logging.WARNING, "full", "probe: %d connections open, cutting the one waiting longest "
                                "(from %s)", self.max_connections, victim.host)
-            try:
-                victim.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(victim.sock, socket.SHUT_RDWR)
         thread = threading.Thread(target=self._serve, args=(sock, address), name="probe-conn", daemon=True)
         try:
             thread.start()
@@ -310,21 +307,19 @@ class ProbeServer:
         with self._conns_lock:
             open_socks = list(self._conns)
         for sock in open_socks:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            _shut(sock, socket.SHUT_RDWR)
+
+
+def _shut(sock: socket.socket, how: int) -> None:
+    try:
+        sock.shutdown(how)
+    except OSError:
+        pass
 
 
 def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
-    try:
-        sock.close()
-    except OSError:
-        pass
+    _shut(sock, socket.SHUT_WR)
+    sock.close()  # socket.close() does not raise for a socket already closed
 
 
 class Maintenance:
