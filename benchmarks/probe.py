@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import os
 import random
 import re
 import socket
@@ -71,6 +72,7 @@ def _route_cost_us(count: int) -> list[float]:
 def run(sizes: Sizes) -> dict[str, Any]:
     plan = PLANS[sizes.name]
     rng = random.Random(24)
+    load_before = os.getloadavg()[0]  # the p99s follow what else the machine runs
     with scratch_dir("probe-") as tmp, Emulator(vms=["web-0"], rate_limit=None) as emu:
         proc = spawn_agent(emu, tmp / "agent", "web-0",
                            '[probe]\nlisten = "127.0.0.1:0"\nsettle = "0s"\n'
@@ -113,6 +115,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
         "answer_ms": {"p50": round(statistics.median(answers), 3), "p99": round(_pct(answers, 0.99), 3),
                       "requests": len(answers)},
         "route_us": {"p50": round(statistics.median(route), 2), "p99": round(_pct(route, 0.99), 2)},
+        "load_avg_1m": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)},
         "flip_ms": {"p50": round(statistics.median(flips), 1), "p99": round(_pct(flips, 0.99), 1),
                     "max": round(max(flips), 1), "samples": len(flips), "poll_interval_ms": interval_ms},
     }
@@ -123,3 +126,41 @@ def run(sizes: Sizes) -> dict[str, Any]:
         goal(f"probe flip p99 <= 1.05 x poll interval + 20 ms ({flip_goal:g} ms)", figures["flip_ms"]["p99"] <= flip_goal),
     ]
     return result(figures, goals)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m benchmarks.probe [--quick|--smoke] [--record]`: this benchmark alone, into its own results file."""
+    import argparse
+    import logging
+    import sys
+    from pathlib import Path
+
+    import orjson
+
+    from benchmarks.common import MODES, machine_info, results_file
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.probe", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer requests and flips")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, only checks that everything runs")
+    parser.add_argument("--out", type=Path, help="results file (default benchmarks/results/tmp/probe.json, ignored by git)")
+    parser.add_argument("--record", action="store_true", help="rewrite the committed benchmarks/results/probe.json")
+    args = parser.parse_args(argv)
+    args.out = results_file(parser, "probe.json", record=args.record, out=args.out, smoke=args.smoke)
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    sizes = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    started = time.monotonic()
+    res = run(sizes)
+    res["seconds"] = round(time.monotonic() - started, 1)
+    doc = {"machine": machine_info(), "mode": sizes.name, "results": {"probe": res}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
+    for key, value in res["figures"].items():
+        print(f"{key:<12} {value}")
+    for g in res["goals"]:
+        print(f"[{'pass' if g['pass'] else 'FAIL'}] {g['goal']}")
+    print(f"results written to {args.out}")
+    return 0 if res["pass"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

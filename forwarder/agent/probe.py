@@ -110,7 +110,7 @@ class _Handler(QuietHandler):
     def handle(self) -> None:
         owner = self.server.owner
         sock: socket.socket = self.request
-        head = _read_head(sock, time.monotonic() + owner.client_timeout)
+        head = _read_head(sock, time.monotonic() + owner.client_timeout, owner._prefixes.get(sock, b""))
         owner._done_reading(sock)
         if head is None:
             return
@@ -128,9 +128,8 @@ class _Handler(QuietHandler):
             self.log_message("%s", code)
 
 
-def _read_head(sock: socket.socket, deadline: float) -> bytes | None:
+def _read_head(sock: socket.socket, deadline: float, buf: bytes = b"") -> bytes | None:
     """The request head (up to the blank line), b"" if too large, None if none came in time or the peer left."""
-    buf = b""
     while b"\r\n\r\n" not in buf and b"\n\n" not in buf:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -163,6 +162,7 @@ class ProbeServer:
         self._answer: Answer | None = None
         self._render_lock = threading.Lock()
         self._conns: dict[socket.socket, _Conn] = {}
+        self._prefixes: dict[socket.socket, bytes] = {}  # bytes read on the accept loop, for the handler
         self._conns_lock = threading.Lock()
         self._server: _Server | None = None
         self._warnings = RateLimitedLog(log, 60.0)
@@ -244,21 +244,70 @@ class ProbeServer:
             self._warnings.log(logging.WARNING, "full", "probe: %d connections open, cutting the one waiting longest "
                                "(from %s)", self.max_connections, victim.host)
             _shut(victim.sock, socket.SHUT_RDWR)
-        thread = threading.Thread(target=self._serve, args=(sock, address), name="probe-conn", daemon=True)
+        prefix = self._answer_at_once(sock, address)
+        if prefix is None:
+            return
+        thread = threading.Thread(target=self._serve, args=(sock, address, prefix), name="probe-conn", daemon=True)
         try:
             thread.start()
         except RuntimeError:
             self._forget(sock)
             _close(sock)
 
-    def _serve(self, sock: socket.socket, address: Any) -> None:
+    def _answer_at_once(self, sock: socket.socket, address: Any) -> bytes | None:
+        """The common case without a thread: the whole request is already here and the answer fits the
+        socket's buffer. None when answered (and closed); else what was read, for the handler thread."""
+        try:
+            sock.setblocking(False)
+            head = sock.recv(MAX_HEAD + 1)
+        except (BlockingIOError, InterruptedError):
+            head = b""
+        except OSError:
+            self._forget(sock)
+            _close(sock)
+            return None
+        finally:
+            sock.setblocking(True)
+        if not (head and (b"\r\n\r\n" in head or b"\n\n" in head or len(head) > MAX_HEAD)):
+            return head  # nothing yet, or a part: the handler thread waits for the rest under the deadline
+        status, data = self.route(head if len(head) <= MAX_HEAD else b"")
+        try:
+            sock.setblocking(False)
+            sent = sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            sent = len(data)  # the client left: nothing more to say
+        finally:
+            sock.setblocking(True)
+        if sent < len(data):  # a full send buffer on a fresh socket: let a thread finish, under the deadline
+            threading.Thread(target=self._finish_send, args=(sock, data[sent:]), name="probe-send", daemon=True).start()
+            return None
+        log.debug("probe %s: %s", address, status)
+        self._forget(sock)
+        _close(sock)
+        return None
+
+    def _finish_send(self, sock: socket.socket, rest: bytes) -> None:
+        try:
+            sock.settimeout(self.client_timeout)
+            sock.sendall(rest)
+        except OSError:
+            pass
+        finally:
+            self._forget(sock)
+            _close(sock)
+
+    def _serve(self, sock: socket.socket, address: Any, prefix: bytes = b"") -> None:
         try:
             server = self._server
             if server is not None:
+                self._prefixes[sock] = prefix
                 _Handler(sock, address, server)
         except Exception:
             log.exception("probe: unexpected error serving %s", address)
         finally:
+            self._prefixes.pop(sock, None)
             self._forget(sock)
             _close(sock)
 

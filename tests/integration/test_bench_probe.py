@@ -19,7 +19,7 @@ def test_probe_benchmark_writes_its_figures(tmp_path: Path) -> None:
     probe = doc["results"]["probe"]
     assert "error" not in probe, probe.get("error")
     figures = probe["figures"]
-    assert set(figures) == {"answer_ms", "route_us", "flip_ms"}
+    assert set(figures) == {"answer_ms", "route_us", "flip_ms", "load_avg_1m"}
     assert figures["answer_ms"]["requests"] == 50 and figures["flip_ms"]["samples"] == 2
     assert 0 < figures["flip_ms"]["p50"] <= figures["flip_ms"]["max"]
     assert set(doc["summary"]["probe"]) >= {"answer_p99_ms", "flip_p99_ms", "poll_interval_ms"}

@@ -188,3 +188,24 @@ def test_default_state_file(tmp_path):
     assert str(default_state_file(tmp_path, is_root=True)) == "/run/sefwd/maintenance.json"
     if not os.access("/run/sefwd", os.W_OK):
         assert default_state_file(tmp_path, is_root=False) == tmp_path / "maintenance.json"
+
+
+def test_a_link_planted_at_the_state_file_is_replaced_never_followed(tmp_path):
+    """A local user who can write the directory plants a symlink where the state file goes: the
+    agent replaces the link (rename does not follow it) and leaves its target alone."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "maintenance.json").symlink_to(victim)
+    sf = StateFile(run / "maintenance.json", refresh=10.0)
+    t = tracker()
+    t.add_listener(sf)
+    t.observe(doc(), T0)
+    assert victim.read_text() == "precious"
+    assert not (run / "maintenance.json").is_symlink()
+    assert json.loads((run / "maintenance.json").read_text())["state"] == "serving"
+    (run / "maintenance.json").unlink()
+    (run / "maintenance.json").symlink_to(victim)
+    sf.remove()  # removes the link, not what it points to
+    assert victim.read_text() == "precious"
