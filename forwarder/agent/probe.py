@@ -5,7 +5,9 @@ The answer comes from :class:`forwarder.agent.maintenance.MaintenanceTracker` (t
 document and the clock; no IMDS request) as whole response bytes, rendered at most once a second
 or when the state changes, so a probe costs one read and one write.
 
-Each connection carries one request and is closed after the answer. Abuse is bounded the way the
+Each connection carries one request and is closed after the answer. A request that is there within
+half a millisecond of the accept (a load balancer's always is) is answered on the accept loop, with
+no thread; a slower one gets a thread of its own. Abuse is bounded the way the
 approval callback bounds it: a whole request head must arrive within ``client_timeout`` (a client
 trickling bytes is cut off), at most ``max_per_client`` connections per client address (more are
 closed at once, without a thread), and at most ``max_connections`` in all — when full, the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import email.utils
 import logging
+import select
 import socket
 import threading
 import time
@@ -44,6 +47,7 @@ MAX_HEAD = 4096  # a probe's request line and headers; more is refused with 431
 CLIENT_TIMEOUT = 3.0
 MAX_CONNECTIONS = 64
 MAX_CONNECTIONS_PER_CLIENT = 8
+FIRST_BYTES_WAIT = 0.0005  # seconds the accept loop waits for a request before handing the connection to a thread
 
 
 @dataclass(frozen=True)
@@ -259,7 +263,12 @@ class ProbeServer:
         socket's buffer. None when answered (and closed); else what was read, for the handler thread."""
         try:
             sock.setblocking(False)
-            head = sock.recv(MAX_HEAD + 1)
+            try:
+                head = sock.recv(MAX_HEAD + 1)
+            except (BlockingIOError, InterruptedError):
+                # The request usually follows the handshake within microseconds: a short look saves a thread.
+                select.select([sock], [], [], FIRST_BYTES_WAIT)
+                head = sock.recv(MAX_HEAD + 1)
         except (BlockingIOError, InterruptedError):
             head = b""
         except OSError:

@@ -16,7 +16,7 @@ from forwarder.agent.probe import ProbeServer
 from forwarder.emulator import Emulator
 from forwarder.imds.document import parse_document
 from forwarder.imds.identity import VmIdentity
-from tests.agent import AgentProcess, wait_until, write_config
+from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 
 COMMON = ("state", "EventId", "EventType", "EventStatus", "NotBefore", "until", "DocumentIncarnation")
 
@@ -50,10 +50,6 @@ def start_agent(tmp_path: Path, emu: Emulator, probe_extra: str = "") -> tuple[A
     return agent, found[1], state_file
 
 
-def se_polls(emu: Emulator) -> int:
-    return int(emu.stats()["requests"].get("web-0", {}).get("by_endpoint", {}).get("scheduledevents", 0))
-
-
 def seen(url: str, emu: Emulator) -> dict:
     """The probe's answer once it reflects the emulator's current document."""
     incarnation = emu.stats()["incarnation"]
@@ -74,17 +70,21 @@ def test_probe_503_within_a_poll_then_200_after_the_end_and_settle(tmp_path):
             body = seen(url, emu)
             assert body["state"] == "serving" and body["EventId"] is None
             same_as_file(body, state_file)
-            polls_before = se_polls(emu)
             event_id = emu.schedule(type="Reboot", resources=["web-0"], start_after=600)
-            status, body = wait_until(lambda: (s := state(url))[0] == 503 and s, 30, "the probe to turn 503")
-            # The poll that was in flight may have read the old document; the next one flips the
-            # probe (one more may have run while this test looked).
-            assert se_polls(emu) - polls_before <= 3
-            assert body["state"] == "maintenance" and body["EventId"] == event_id
+            first = wait_until(lambda: (f := json.loads(state_file.read_text()))["EventId"] == event_id and f, 30,
+                               "the state file to name the event")
+            status, body = state(url)
+            assert status == 503 and body["state"] == "maintenance" and body["EventId"] == event_id
             assert body["EventType"] == "Reboot" and body["EventStatus"] == "Scheduled"
             assert 590 <= body["seconds_left"] <= 600 and body["NotBefore"] == body["until"]
-            wait_until(lambda: json.loads(state_file.read_text())["EventId"] == event_id, 30, "the state file")
-            same_as_file(state(url)[1], state_file)
+            same_as_file(body, state_file)
+            # Within one poll interval: the state changed in the very cycle that committed the
+            # document (the record's time is when that poll read it), not at a later poll. The
+            # clocks are the agent's own, so a slow test thread cannot blur this.
+            record = wait_until(lambda: [r for r in read_jsonl(tmp_path / "out.jsonl") if r.get("subject") == event_id
+                                         and r["type"] == "scheduledevent.scheduled"], 30, "the scheduled record")[0]
+            flipped = datetime.fromisoformat(first["written_at"]) - datetime.fromisoformat(record["time"])
+            assert 0 <= flipped.total_seconds() < 1.0, flipped
 
             emu.approve(event_id)  # Started, then gone after complete_after (2 s)
             wait_until(lambda: state(url)[1]["state"] == "settling", 30, "settling after the event ended")
