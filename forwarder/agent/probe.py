@@ -408,7 +408,12 @@ class Maintenance:
         """Seed with the saved document (the state is right before the first poll), then listen."""
         self.tracker.observe(document)
         if self.probe is not None:
-            self.probe.start()
+            try:
+                self.probe.start()
+            except BaseException:
+                if self.state_file is not None:
+                    self.state_file.remove()
+                raise
         return self
 
     def stop(self) -> None:

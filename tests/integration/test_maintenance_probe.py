@@ -238,3 +238,19 @@ def test_probe_stop_cuts_held_connections():
         s.settimeout(10)
         assert s.recv(10) == b""
         s.close()
+
+
+def test_a_taken_port_stops_the_agent_with_a_clear_error_and_no_state_file(tmp_path):
+    with socket.socket() as taken, Emulator(vms=["web-0"]) as emu:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        state_file = tmp_path / "maintenance.json"
+        config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state",
+                              extra=f'[probe]\nlisten = "127.0.0.1:{port}"\nstate_file = "{state_file}"\n')
+        agent = AgentProcess(config, tmp_path / "agent.log")
+        rc = agent.proc.wait(60)
+        agent._drain.join(10)
+    assert rc != 0
+    assert f"probe.listen 127.0.0.1:{port}: cannot listen" in agent.logs()
+    assert not state_file.exists()
