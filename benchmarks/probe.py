@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from benchmarks.agents import spawn_agent, stop_agents
-from benchmarks.common import Sizes, goal, result, scratch_dir
+from benchmarks.common import Sizes, goal, result, run_standalone, scratch_dir
 from forwarder.agent.maintenance import MaintenancePolicy, MaintenanceTracker
 from forwarder.agent.probe import ProbeServer
 from forwarder.emulator import Emulator
@@ -153,34 +153,9 @@ def run(sizes: Sizes) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m benchmarks.probe [--quick|--smoke] [--record]`: this benchmark alone, into its own results file."""
-    import argparse
-    import logging
-    from pathlib import Path
-
-    from benchmarks.common import MODES, machine_info, results_file
-
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.probe", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer requests and flips")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, only checks that everything runs")
-    parser.add_argument("--out", type=Path, help="results file (default benchmarks/results/tmp/probe.json, ignored by git)")
-    parser.add_argument("--record", action="store_true", help="rewrite the committed benchmarks/results/probe.json")
-    args = parser.parse_args(argv)
-    args.out = results_file(parser, "probe.json", record=args.record, out=args.out, smoke=args.smoke)
-    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
-    sizes = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
-    started = time.monotonic()
-    res = run(sizes)
-    res["seconds"] = round(time.monotonic() - started, 1)
-    doc = {"machine": machine_info(), "mode": sizes.name, "results": {"probe": res}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
-    for key, value in res["figures"].items():
-        print(f"{key:<12} {value}")
-    for g in res["goals"]:
-        print(f"[{'pass' if g['pass'] else 'FAIL'}] {g['goal']}")
-    print(f"results written to {args.out}")
-    return 0 if res["pass"] else 1
+    return run_standalone("probe", "probe.json", run, prog="python -m benchmarks.probe",
+                          description=__doc__.splitlines()[0], quick_help="fewer requests and flips",
+                          show=lambda figures: [f"{k:<12} {v}" for k, v in figures.items()], argv=argv)
 
 
 if __name__ == "__main__":
