@@ -316,7 +316,8 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o644) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fchmod(f.fileno(), mode)
+            if hasattr(os, "fchmod"):  # not on Windows, where the directory's ACL decides
+                os.fchmod(f.fileno(), mode)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
