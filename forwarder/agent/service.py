@@ -161,6 +161,10 @@ class Agent:
             "last_poll_ok": rfc3339(st.last_ok_wall),
             "outbox_errors": st.outbox_errors,
         }
+        if self.maintenance is not None and self.config.probe.enabled:
+            view = self.maintenance.tracker.view().as_dict()
+            del view["seconds_left"]  # "until" says it, and the report is rewritten only when something changes
+            data["maintenance"] = view
         return data
 
     def _open_store(self) -> tuple[Store, SavedState] | None:

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import threading
 from datetime import datetime, timezone
 from pathlib import Path
@@ -16,7 +19,7 @@ from forwarder.agent.probe import ProbeServer
 from forwarder.emulator import Emulator
 from forwarder.imds.document import parse_document
 from forwarder.imds.identity import VmIdentity
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
 
 COMMON = ("state", "EventId", "EventType", "EventStatus", "NotBefore", "until", "DocumentIncarnation")
 
@@ -57,6 +60,13 @@ def seen(url: str, emu: Emulator) -> dict:
                       f"the probe to reflect incarnation {incarnation}")
 
 
+def sefwd_status(tmp_path: Path) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEFWD_")}
+    return subprocess.run([sys.executable, "-m", "forwarder", "status", "--config", str(tmp_path / "c.toml")],
+                          capture_output=True, text=True, env={**env, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT),
+                          timeout=60).stdout
+
+
 def same_as_file(body: dict, state_file: Path) -> None:
     on_disk = json.loads(state_file.read_text())
     assert {k: on_disk[k] for k in COMMON} == {k: body[k] for k in COMMON}
@@ -78,6 +88,9 @@ def test_probe_503_within_a_poll_then_200_after_the_end_and_settle(tmp_path):
             assert body["EventType"] == "Reboot" and body["EventStatus"] == "Scheduled"
             assert 590 <= body["seconds_left"] <= 600 and body["NotBefore"] == body["until"]
             same_as_file(body, state_file)
+            status_page = wait_until(lambda: "maintenance probe: maintenance (Reboot " in (out := sefwd_status(tmp_path))
+                                     and out, 30, "sefwd status to show the maintenance")
+            assert event_id in status_page
             # Within one poll interval: the state changed in the very cycle that committed the
             # document (the record's time is when that poll read it), not at a later poll. The
             # clocks are the agent's own, so a slow test thread cannot blur this.
