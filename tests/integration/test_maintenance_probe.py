@@ -267,3 +267,26 @@ def test_a_taken_port_stops_the_agent_with_a_clear_error_and_no_state_file(tmp_p
     assert rc != 0
     assert f"probe.listen 127.0.0.1:{port}: cannot listen" in agent.logs()
     assert not state_file.exists()
+
+
+def test_probe_listens_on_ipv6_loopback():
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    tracker = MaintenanceTracker(MaintenancePolicy(), lambda: VmIdentity(name="web-0"))
+    tracker.observe(parse_document({"DocumentIncarnation": 1, "Events": [
+        {"EventId": "E1", "EventType": "Preempt", "Resources": ["web-0"], "EventStatus": "Scheduled",
+         "NotBefore": ""}]}))
+    try:
+        server = ProbeServer(tracker, "::1", 0).start()
+    except Exception as exc:  # a host without an IPv6 loopback address
+        pytest.skip(f"cannot listen on [::1]: {exc}")
+    try:
+        assert server.url.startswith("http://[::1]:")
+        conn = http.client.HTTPConnection("::1", server.port, timeout=10)
+        conn.request("GET", "/maintenance")
+        response = conn.getresponse()
+        body = json.loads(response.read())
+        conn.close()
+        assert response.status == 503 and body["EventId"] == "E1" and body["seconds_left"] is None
+    finally:
+        server.stop()
