@@ -18,7 +18,7 @@ from benchmarks.common import MODES, machine_info, results_file
 from benchmarks.footprint import HOSTILE_RETURN_MIB, HOSTILE_RSS_GOAL_MIB
 from benchmarks.plots import draw
 
-BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send")
+BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send", "probe")
 
 
 def _at(value: Any, path: str) -> Any:
@@ -63,6 +63,10 @@ SUMMARY: dict[str, dict[str, str] | str] = {
         "previous_burst_websocket": "eventhubs_send.cpu_ms_per_record.before.websocket.burst",
         "single_amqp": "eventhubs_send.cpu_ms_per_record.after.amqp.single",
         "single_websocket": "eventhubs_send.cpu_ms_per_record.after.websocket.single"},
+    # The maintenance probe (issue 24): one answer's round trip, and how soon it turns 503 after an event appears.
+    "probe": {"answer_p50_ms": "probe.answer_ms.p50", "answer_p99_ms": "probe.answer_ms.p99",
+              "route_p99_us": "probe.route_us.p99", "flip_p50_ms": "probe.flip_ms.p50",
+              "flip_p99_ms": "probe.flip_ms.p99", "poll_interval_ms": "probe.flip_ms.poll_interval_ms"},
 }
 
 
@@ -113,6 +117,12 @@ GOALS: list[tuple[str, str, Callable[[dict[str, Any]], bool | None]]] = [
      lambda s: _check(s, ["eventhubs_cpu_ms_per_record.burst_amqp"], lambda a: a <= 1.0)),
     ("eventhubs_cpu_ms_per_record.burst_websocket", "<= 1 ms amortized (WebSocket burst)",
      lambda s: _check(s, ["eventhubs_cpu_ms_per_record.burst_websocket"], lambda a: a <= 1.0)),
+    ("probe.answer_p50_ms", "<= 1 ms (loopback, a new connection per probe)",
+     lambda s: _check(s, ["probe.answer_p50_ms"], lambda a: a <= 1.0)),
+    ("probe.route_p99_us", "<= 100 us (the agent's own work per answer)",
+     lambda s: _check(s, ["probe.route_p99_us"], lambda a: a <= 100)),
+    ("probe.flip_p99_ms", "<= 1.05 x poll interval + 20 ms",
+     lambda s: _check(s, ["probe.flip_p99_ms", "probe.poll_interval_ms"], lambda p, i: p <= 1.05 * i + 20)),
 ]
 
 

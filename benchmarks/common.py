@@ -6,7 +6,7 @@ import os
 import platform
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -161,3 +161,37 @@ def goal(text: str, ok: bool) -> dict[str, Any]:
 
 def result(figures: dict[str, Any], goals: list[dict[str, Any]]) -> dict[str, Any]:
     return {"figures": figures, "goals": goals, "pass": all(g["pass"] for g in goals)}
+
+
+def run_standalone(name: str, results_name: str, run: Callable[[Sizes], dict[str, Any]], *, prog: str,
+                   description: str, quick_help: str, show: Callable[[dict[str, Any]], list[str]],
+                   argv: list[str] | None = None) -> int:
+    """One benchmark on its own (``python -m benchmarks.NAME``): its own results file, ``--record`` to commit it."""
+    import argparse
+    import logging
+    import sys
+    import time
+
+    import orjson
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, only checks that everything runs")
+    parser.add_argument("--out", type=Path, help=f"results file (default benchmarks/results/tmp/{results_name}, ignored by git)")
+    parser.add_argument("--record", action="store_true", help=f"rewrite the committed benchmarks/results/{results_name}")
+    args = parser.parse_args(argv)
+    args.out = results_file(parser, results_name, record=args.record, out=args.out, smoke=args.smoke)
+    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
+    sizes = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    started = time.monotonic()
+    res = run(sizes)
+    res["seconds"] = round(time.monotonic() - started, 1)
+    doc = {"machine": machine_info(), "mode": sizes.name, "results": {name: res}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
+    for line in show(res["figures"]):
+        print(line)
+    for g in res["goals"]:
+        print(f"[{'pass' if g['pass'] else 'FAIL'}] {g['goal']}")
+    print(f"results written to {args.out}")
+    return 0 if res["pass"] else 1

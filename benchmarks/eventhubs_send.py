@@ -18,8 +18,6 @@ of the rounds is reported. Run alone: ``python -m benchmarks.eventhubs_send [--q
 """
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import statistics
 import sys
@@ -30,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from benchmarks.common import MODES, Sizes, goal, machine_info, result, results_file, sample_event, scratch_dir
+from benchmarks.common import Sizes, goal, result, run_standalone, sample_event, scratch_dir
 from forwarder.delivery.dispatcher import Dispatcher
 from forwarder.store.database import Store
 from forwarder.common.retry import Backoff
@@ -155,30 +153,16 @@ def run(sizes: Sizes) -> dict[str, Any]:
     ])
 
 
+def _show(fig: dict[str, Any]) -> list[str]:
+    return [f"{key:<22} {impl_or_transport:<10} {orjson.dumps(rows).decode()}"
+            for key in ("cpu_ms_per_record", "wall_ms_per_record", "ratio_before_to_after")
+            for impl_or_transport, rows in fig.get(key, {}).items()]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.eventhubs_send", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one round, smaller bursts")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, only checks that everything runs")
-    parser.add_argument("--out", type=Path, help="results file (default benchmarks/results/tmp/eventhubs.json, ignored by git)")
-    parser.add_argument("--record", action="store_true", help="rewrite the committed benchmarks/results/eventhubs.json")
-    args = parser.parse_args(argv)
-    args.out = results_file(parser, "eventhubs.json", record=args.record, out=args.out, smoke=args.smoke)
-    logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
-    sizes = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
-    started = time.monotonic()
-    res = run(sizes)
-    res["seconds"] = round(time.monotonic() - started, 1)
-    doc = {"machine": machine_info(), "mode": sizes.name, "results": {"eventhubs_send": res}}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
-    fig = res["figures"]
-    for key in ("cpu_ms_per_record", "wall_ms_per_record", "ratio_before_to_after"):
-        for impl_or_transport, rows in fig.get(key, {}).items():
-            print(f"{key:<22} {impl_or_transport:<10} {orjson.dumps(rows).decode()}")
-    for g in res["goals"]:
-        print(f"[{'pass' if g['pass'] else 'FAIL'}] {g['goal']}")
-    print(f"results written to {args.out}")
-    return 0 if res["pass"] else 1
+    return run_standalone("eventhubs_send", "eventhubs.json", run, prog="python -m benchmarks.eventhubs_send",
+                          description=__doc__.splitlines()[0], quick_help="one round, smaller bursts", show=_show,
+                          argv=argv)
 
 
 if __name__ == "__main__":

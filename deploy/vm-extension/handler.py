@@ -754,9 +754,17 @@ def op_enable(henv: HandlerEnvironment, seq: int | None) -> str:
         action = "settings unchanged, service left running"
     sinks = public.get("sinks")
     sink_names = ", ".join(str(s.get("name", s.get("type"))) for s in sinks if isinstance(s, dict)) if isinstance(sinks, list) else ""
-    return "sefwd enabled: {}; sinks: {}; secrets: {}".format(
+    return "sefwd enabled: {}; sinks: {}; secrets: {}{}".format(
         action, sink_names or "stdout (default: records go to the journal)",
-        ", ".join(sorted(env)) or "none")
+        ", ".join(sorted(env)) or "none", probe_summary(public))
+
+
+def probe_summary(public: dict) -> str:
+    """Where the maintenance probe answers, for the status message ("" when [probe] has no listen)."""
+    probe = public.get("probe")
+    if not isinstance(probe, dict) or not probe.get("listen"):
+        return ""
+    return "; maintenance probe: http://{}{}".format(probe["listen"], probe.get("path") or "/maintenance")
 
 
 def op_disable(henv: HandlerEnvironment, seq: int | None) -> str:

@@ -129,6 +129,22 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True)
+class ProbeConfig:
+    """The maintenance probe (forwarder.agent.probe) and state file: off unless listen or state_file is set."""
+
+    listen: tuple[str, int] | None = None
+    path: str = "/maintenance"
+    event_types: tuple[str, ...] | None = ("Reboot", "Redeploy", "Preempt", "Terminate")  # None: every type
+    lead: float | None = None  # None: 503 from the moment an event is Scheduled; else from NotBefore - lead
+    settle: float = 30.0
+    state_file: Path | None = None  # None: the default path when the probe listens (forwarder.agent.maintenance)
+
+    @property
+    def enabled(self) -> bool:
+        return self.listen is not None or self.state_file is not None
+
+
+@dataclass(frozen=True)
 class SinkConfig:
     """One configured sink; ``options`` holds every key but the common ones (type, name, max_age)."""
 
@@ -152,6 +168,7 @@ class Config:
     delivery: DeliveryConfig = DeliveryConfig(retry_initial=1.0, retry_max=60.0, retry_after_cap=300.0)
     approval: ApprovalConfig = ApprovalConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    probe: ProbeConfig = ProbeConfig()
 
 
 # -- value parsers: raw TOML value or env string -> parsed value, or ValueError ------------------
@@ -237,6 +254,41 @@ def _nonempty(value: Any) -> str:
     return text
 
 
+def _probe_listen(value: Any) -> tuple[str, int]:
+    # The load balancer probes the VM's own address: the host is always written out.
+    return parse_listen(value)
+
+
+def _probe_path(value: Any) -> str:
+    text = _string(value).strip()
+    if not text.startswith("/") or len(text) > 256 or control_characters(text) or "?" in text or "#" in text:
+        raise ValueError(f"expected a URL path such as \"/maintenance\" (at most 256 characters, no spaces, "
+                         f"query or fragment), got {value!r}")
+    return text
+
+
+_EVENT_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
+
+
+def _probe_event_types(value: Any) -> tuple[str, ...] | None:
+    items = [v.strip() for v in value.split(",")] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not items or not all(isinstance(v, str) and v for v in items):
+        raise ValueError(f"expected a list of event types such as [\"Reboot\", \"Preempt\"] (or [\"*\"] for all), "
+                         f"got {value!r}")
+    if "*" in items:
+        return None
+    wrong = [f"{v!r}{suggest(v, _EVENT_TYPES)}" for v in items if v not in _EVENT_TYPES]
+    if wrong:
+        raise ValueError(f"unknown event type(s) {', '.join(wrong)}: use {', '.join(_EVENT_TYPES)} or \"*\"")
+    return tuple(dict.fromkeys(items))
+
+
+def _probe_lead(value: Any) -> float | None:
+    if isinstance(value, str) and value.strip().lower() in ("", "scheduled"):
+        return None
+    return duration(0.0, 30 * 86400.0)(value)
+
+
 @dataclass(frozen=True)
 class _Key:
     default: Any  # raw value, run through ``parse`` like any other; None = computed
@@ -286,6 +338,14 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "export_interval": _Key("60s", duration(1.0, DAY)),
         "credential": _Key(None, _telemetry_credential),
         "client_id": _Key(None, _nonempty),
+    },
+    "probe": {
+        "listen": _Key(None, _probe_listen),
+        "path": _Key("/maintenance", _probe_path),
+        "event_types": _Key(["Reboot", "Redeploy", "Preempt", "Terminate"], _probe_event_types),
+        "lead": _Key("scheduled", _probe_lead),
+        "settle": _Key("30s", duration(0.0, 86400.0)),
+        "state_file": _Key(None, _optional_file),
     },
 }
 # Pairs of keys (section, low key, high key) whose values must be ordered: low <= high.
@@ -568,6 +628,7 @@ def parse_config(
         delivery=DeliveryConfig(**parsed["delivery"]),
         approval=approval,
         telemetry=TelemetryConfig(**parsed["telemetry"]),
+        probe=ProbeConfig(**parsed["probe"]),
     )
 
 
@@ -685,4 +746,10 @@ def describe(config: Config) -> str:
         lines.append(f"telemetry: /metrics and /healthz on {where}, Azure Monitor export {source} "
                      f"(every {format_duration(telemetry.export_interval)}), unhealthy after "
                      f"{format_duration(telemetry.unhealthy_after)} of IMDS failures")
+    probe = config.probe
+    if probe.enabled:
+        where = f"{probe.listen[0]}:{probe.listen[1]}{probe.path}" if probe.listen else "off"
+        window = "from Scheduled" if probe.lead is None else f"from NotBefore - {format_duration(probe.lead)}"
+        lines.append(f"probe: {where}, types {', '.join(probe.event_types or ['*'])}, 503 {window} until "
+                     f"{format_duration(probe.settle)} after the end; state file {probe.state_file or 'default'}")
     return "\n".join(lines)

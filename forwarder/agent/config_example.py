@@ -24,14 +24,14 @@ definitions (sefwd config example).
 |
 Found at: --config FILE, else $SEFWD_CONFIG, else /etc/sefwd/config.toml, else built-in defaults
 (the values below, with one stdout sink). Environment overrides win over this file: every key of
-[imds], [state], [agent], [journal], [delivery] and [telemetry] as SEFWD_<SECTION>_<KEY> (e.g.
+[imds], [state], [agent], [journal], [delivery], [telemetry] and [probe] as SEFWD_<SECTION>_<KEY> (e.g.
 SEFWD_IMDS_ENDPOINT=http://127.0.0.1:8169/vm/web-0 points the agent at an emulator), and the flat
 keys of the approval table as SEFWD_APPROVAL_<KEY>; sinks have no environment overrides (their secrets are
 read from the variables or files their *_env / *_file options name). An empty variable counts as
 unset. Durations: "500ms", "1s", "5m", "1h", "1d" or a number of seconds. Sizes: "64MiB", "10MB",
 "4096". Check a file with: sefwd config check --config FILE"""
 
-OPTIONAL_SECTIONS = ("telemetry",)  # off unless configured: shown commented out
+OPTIONAL_SECTIONS = ("telemetry", "probe")  # off unless configured: shown commented out
 SECTION_DOCS: dict[str, str] = {
     "imds": "The Instance Metadata Service, polled for Scheduled Events.",
     "state": "Where the agent keeps its store.",
@@ -42,6 +42,13 @@ SECTION_DOCS: dict[str, str] = {
         "The agent's own metrics (off unless a key below is set): polls and their latency, IMDS errors by "
         "status, detection-to-delivery latency, backlog and oldest-undelivered age, dead letters and approvals "
         "per sink/outcome. Needs: pip install 'scheduled-events-forwarder[telemetry]'."
+    ),
+    "probe": (
+        "The maintenance probe (off unless listen or state_file is set): GET/HEAD http://HOST:PORT/maintenance "
+        "answers 200 while this VM should take traffic and 503 from the moment an event of event_types "
+        "affecting this VM is Scheduled (or from NotBefore - lead) until settle after it ended, for an Azure "
+        "Load Balancer or Application Gateway health probe; the same state as JSON in state_file. See "
+        "README \"Protect your workload\"."
     ),
 }
 
@@ -116,6 +123,24 @@ KEY_DOCS: dict[str, dict[str, tuple[str, Any]]] = {
                        "managed_identity"),
         "client_id": ("A user-assigned managed identity for credential (default: the system-assigned one).",
                       "00000000-0000-0000-0000-000000000000"),
+    },
+    "probe": {
+        "listen": ("host:port of the probe; the load balancer probes the VM's own address, so usually "
+                   "\"0.0.0.0:PORT\" (a port >= 1024: the service has no capability to bind lower ones).",
+                   "0.0.0.0:8080"),
+        "path": ("The probe's path; every other path answers 404.", None),
+        "event_types": ("Event types that take the VM out of rotation (Freeze, Reboot, Redeploy, Preempt, "
+                        "Terminate, or [\"*\"] for every type, future ones included). Freeze, a pause of "
+                        "seconds with memory kept, is left out by default.", None),
+        "lead": ("\"scheduled\": 503 from the moment the event is Scheduled; a duration: from NotBefore - lead "
+                 "(a Started event, or one without NotBefore, is 503 at once), so a Redeploy announced days ahead "
+                 "does not drain the VM days early.", None),
+        "settle": ("After the event ended (left the document), stay 503 this long more: the workload's time to "
+                   "come back after a reboot or redeploy.", None),
+        "state_file": ("Also write the state, atomically, as JSON here (with written_at and stale_after). "
+                       "Default when listen is set: /run/sefwd/maintenance.json as root or when /run/sefwd is "
+                       "writable (systemd RuntimeDirectory), else maintenance.json in the state dir.",
+                       "/run/sefwd/maintenance.json"),
     },
 }
 

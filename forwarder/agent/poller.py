@@ -105,6 +105,9 @@ class Poller:
         self._inbox_failures, self._inbox_due = 0, 0.0  # failed inbox commits in a row; next try (monotonic)
         self.on_changes: Callable[[list[Change], list[Record]], None] | None = None
         self.on_first_answer: Callable[[], None] | None = None  # e.g. rewrite the status report now
+        # After every cycle's poll, with the committed document (the same object when nothing changed):
+        # the maintenance state (forwarder.agent.maintenance) follows the commits and the clock.
+        self.on_document: Callable[[Document | None], object] | None = None
 
     # -- one cycle -------------------------------------------------------------------------
     def poll_once(self) -> float:
@@ -313,6 +316,8 @@ class Poller:
         if self._mono() >= self._inbox_due:
             self.drain_inbox()  # audits that arrived while we waited go before the next document
         wait = self.poll_once()
+        if self.on_document is not None:
+            self.on_document(self.current)
         self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
         now = self._mono()
         if now >= self._next_heartbeat:

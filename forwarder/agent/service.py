@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # imported at run time only when approvals are configured
     from forwarder.approval.approver import Approver
     from forwarder.approval.callback import ApprovalRequest, CallbackServer, Verdict
     from forwarder.approval.refusals import RefusalAggregator
+    from forwarder.agent.probe import Maintenance
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ class Agent:
         self.loss: Loss | None = None
         self.refusals: RefusalAggregator | None = None
         self.waiting_since: datetime | None = None  # until IMDS first answered (status: "waiting for IMDS")
+        self.maintenance: Maintenance | None = None  # [probe] or telemetry: forwarder.agent.probe
 
     def waiting_message(self) -> str:
         imds = self.config.imds
@@ -161,6 +163,10 @@ class Agent:
             "last_poll_ok": rfc3339(st.last_ok_wall),
             "outbox_errors": st.outbox_errors,
         }
+        if self.maintenance is not None and self.config.probe.enabled:
+            view = self.maintenance.tracker.view().as_dict()
+            del view["seconds_left"]  # "until" says it, and the report is rewritten only when something changes
+            data["maintenance"] = view
         return data
 
     def _open_store(self) -> tuple[Store, SavedState] | None:
@@ -230,6 +236,14 @@ class Agent:
                 poller.on_first_answer = reporter.write  # "waiting for IMDS" ends in the report at once
                 if cfg.agent.heartbeat_file is not None:  # set by the Azure VM extension
                     HeartbeatFile(cfg.agent.heartbeat_file, lambda: self.snapshot(dispatcher, poller), self.stop).start()
+                if cfg.probe.enabled or telemetry.enabled:
+                    from forwarder.agent.probe import Maintenance
+
+                    maintenance = self.maintenance = Maintenance.from_config(
+                        cfg.probe, lambda: poller.factory.vm, cfg.state.dir,
+                        refresh=max(10.0, cfg.imds.poll_interval + cfg.imds.timeout)).start(poller.current)
+                    poller.on_document = maintenance.tracker.observe
+                    telemetry.bind(maintenance=maintenance.tracker)
                 telemetry.bind(snapshot=dispatcher.snapshot, poller=poller)
                 telemetry.start()
                 self.ready.set()
@@ -245,6 +259,8 @@ class Agent:
                 poller.emit_lifecycle("stopped", Reason="shutdown", UptimeSeconds=poller.heartbeat_data()["UptimeSeconds"])
             finally:
                 notice.close()
+                if self.maintenance is not None:
+                    self.maintenance.stop()
                 if self.callback is not None:
                     self.callback.stop()
                 if self.approver is not None:

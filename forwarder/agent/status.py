@@ -171,6 +171,11 @@ def format_status(s: dict[str, Any]) -> str:
             f"last poll ok: {imds.get('last_poll_ok') or 'never'}; polls {imds.get('polls', 0)}, "
             f"IMDS errors {imds.get('imds_errors', 0)}, bad documents {imds.get('bad_documents', 0)}{age}"
         )
+        probe = agent.get("maintenance")
+        if isinstance(probe, dict):
+            lines.append(f"maintenance probe: {probe.get('state')}" + (
+                f" ({probe.get('EventType')} {probe.get('EventId')} {probe.get('EventStatus')}, until "
+                f"{probe.get('until') or 'it ends'})" if probe.get("EventId") else ""))
         st = agent.get("store", {})
         if st:
             lines.append(f"store: {st.get('path', '')}, {st.get('size_bytes', 0)} bytes of records, "

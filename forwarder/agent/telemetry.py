@@ -36,6 +36,7 @@ from forwarder.sinkapi import Ok, Record, Reject, Result, Sink
 
 if TYPE_CHECKING:
     from forwarder.agent.config import TelemetryConfig
+    from forwarder.agent.maintenance import MaintenanceTracker
     from forwarder.agent.poller import Poller
     from forwarder.imds.client import Fetch, ImdsClient
     from forwarder.store.database import SavedState
@@ -69,7 +70,10 @@ class AgentTelemetry(Protocol):
 
     def instrument_outbox(self, outbox: Outbox) -> Outbox: ...
 
-    def bind(self, *, snapshot: Callable[[], Mapping[str, Any]] | None = None, poller: Poller | None = None) -> None: ...
+    def bind(self, *, snapshot: Callable[[], Mapping[str, Any]] | None = None, poller: Poller | None = None,
+             maintenance: MaintenanceTracker | None = None) -> None: ...
+
+    def action_finished(self, kind: str, outcome: str) -> None: ...
 
     def observe_poll(self, seconds: float, status: int | str) -> None: ...
 
@@ -96,7 +100,11 @@ class NullTelemetry:
     def instrument_outbox(self, outbox: Outbox) -> Outbox:
         return outbox
 
-    def bind(self, *, snapshot: Callable[[], Mapping[str, Any]] | None = None, poller: Poller | None = None) -> None:
+    def bind(self, *, snapshot: Callable[[], Mapping[str, Any]] | None = None, poller: Poller | None = None,
+             maintenance: MaintenanceTracker | None = None) -> None:
+        pass
+
+    def action_finished(self, kind: str, outcome: str) -> None:
         pass
 
     def observe_poll(self, seconds: float, status: int | str) -> None:
@@ -362,6 +370,7 @@ class Telemetry:
         self._snap_lock = threading.Lock()
         self._snap: tuple[float, Mapping[str, Any]] | None = None
         self._server: _Server | None = None
+        self._maintenance: MaintenanceTracker | None = None
         readers: list[Any] = []
         self._registry: Any = None
         if config.listen is not None:
@@ -497,6 +506,10 @@ class Telemetry:
                                         "Unexpected exceptions inside a poll cycle (logged; polling went on)")
         meter.create_observable_counter("sefwd.poller.bad_documents", [poller_stat("bad_documents")], "1",
                                         "IMDS documents refused as bad (logged; the last good one stays the baseline)")
+        from forwarder.agent.alert_metrics import register
+
+        # Pending events, seconds to NotBefore, maintenance and actions: fixed label sets, for alerts.
+        self._actions = register(meter, lambda: self._maintenance)
 
     def _snapshot(self) -> Mapping[str, Any]:
         if self._snapshot_fn is None:
@@ -517,14 +530,21 @@ class Telemetry:
     def instrument_outbox(self, outbox: Outbox) -> Outbox:
         return _ObservedOutbox(outbox, self)
 
-    def bind(self, *, snapshot: Callable[[], Mapping[str, Any]] | None = None, poller: Poller | None = None) -> None:
-        """Where the observable gauges read from (``Dispatcher.snapshot``) and the poller's counters."""
+    def bind(self, *, snapshot: Callable[[], Mapping[str, Any]] | None = None, poller: Poller | None = None,
+             maintenance: MaintenanceTracker | None = None) -> None:
+        """Where the observable gauges read from (``Dispatcher.snapshot``, the poller's counters, the maintenance state)."""
+        if maintenance is not None:
+            self._maintenance = maintenance
         if snapshot is not None:
             self._snapshot_fn = snapshot
             self.health.stuck_sinks = lambda: sorted(
                 name for name, v in (self._snapshot().get("sinks") or {}).items() if v.get("stuck"))
         if poller is not None:
             self.health.bind_poller(poller)
+
+    def action_finished(self, kind: str, outcome: str) -> None:
+        """Count one finished action (hook, approval, undo...) by kind and outcome (bounded label values)."""
+        self._actions.finished(kind, outcome)
 
     def observe_poll(self, seconds: float, status: int | str) -> None:
         ok = status in (200, 304)

@@ -414,6 +414,25 @@ def test_the_readme_example_settings_enable(ext: Ext) -> None:
     assert tomllib.loads(ext.config.read_text()) == example["settings"]
 
 
+def test_the_readme_probe_settings_enable_and_name_the_probe(ext: Ext) -> None:
+    readme = (EXT_SRC / "README.md").read_text()
+    section = readme.split("### The maintenance probe and alert metrics", 1)[1]
+    example = json.loads(section.split("```json\n", 1)[1].split("```", 1)[0])
+    ext.settings(0, example["settings"], None)
+    _ok(ext.run("enable"))
+    message = ext.status(0)["formattedMessage"]["message"]
+    assert message.endswith("; maintenance probe: http://0.0.0.0:8080/maintenance")
+    config = tomllib.loads(ext.config.read_text())
+    assert config["probe"] == {"listen": "0.0.0.0:8080", "lead": "15m", "settle": "60s"}
+    bad = {"probe": {"listen": "8080", "event_types": ["Reboto"]}}  # checked like any other setting
+    ext.settings(1, bad, None)
+    proc = ext.run("enable", seq=1)
+    assert proc.returncode == 12
+    message = ext.status(1)["formattedMessage"]["message"]
+    assert "probe.listen" in message and "Reboot" in message
+    assert tomllib.loads(ext.config.read_text())["probe"]["listen"] == "0.0.0.0:8080"  # previous kept
+
+
 # -- under a simulated guest agent (tests/peers/guest_agent.py) ---------------------------------------
 
 SCALE = 0.05  # hang tests: every limit and budget in miniature (enable's 300 s become 15 s, its steps' 240 s 12 s)
