@@ -151,7 +151,14 @@ class Poller:
             built[:] = self.factory.for_changes(changes, document)
             return built
 
-        if self._emit(build, document=document, body=body):
+        try:
+            committed = self._emit(build, document=document, body=body)
+        finally:
+            if self._last_body is not body:
+                # Not committed: the next poll must fetch this body again, not be told "304,
+                # unchanged" against a validator of a document the store never got (issue 20).
+                self.imds.forget_etag()
+        if committed:
             self.stats.changed_documents += 1
             self.stats.records += len(changes)
             if changes and self.on_changes is not None:
