@@ -691,6 +691,8 @@ class CallbackServer:
         except SignatureError as exc:
             raise _Refusal(401, exc.reason, str(exc)) from None
         assert self._replay is not None
+        if self._replay.signed_before_loss(float(handler.headers.get("webhook-timestamp") or 0)):
+            raise _Refusal(409, "replay_cache_lost", "signed before the replay cache was lost; sign it again")
         try:
             fresh = self._replay.add_if_new(msg_id)
         except StateError as exc:
