@@ -22,6 +22,7 @@ import orjson
 
 from forwarder.errors import StateError
 from forwarder.sinkapi import Record
+from forwarder.store.marker import Marker
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +198,7 @@ class Store:
         self.next_index = max(int(row[1]), int(seq[0]) if seq else 0) + 1
         self.append_failures = 0
         self._data_version: int | None = None
+        self.marker: Marker | None = None  # the agent's store only (forwarder.store.recovery): high-water sequence
 
     @classmethod
     def open(cls, state_dir: Path, *, fsync: bool = True, max_size: int = 256 * 1024 * 1024,
@@ -280,6 +282,8 @@ class Store:
         except StoreError:
             self.append_failures += 1
             raise
+        if state is not None and self.marker is not None:
+            self.marker.write(state.sequence)
         self.size += added
         if rows:
             with self.changed:  # this connection is the only writer of records: ids follow on
@@ -440,3 +444,5 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self.conn.close()
+            if self.marker is not None:
+                self.marker.close()

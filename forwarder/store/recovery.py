@@ -13,6 +13,7 @@ import os
 import re
 import sqlite3
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +23,10 @@ import orjson
 
 from forwarder.errors import StateError
 from forwarder.store.database import DB_FILE, FORMAT, SCHEMA, Store, connect, parse_meta, priority_of, sequence_floor
+from forwarder.store.marker import LOCK_FILE, Marker, MarkerData, marker_bytes, parse_marker, read_marker, rewrite
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "agent.lock"
 # The hand-made stores before state.db. No release shipped them, so they are set aside, not migrated.
 OLD_LAYOUT = ("state.json", "journal", "deadletter", "spool", "callback-replay.log", "approved.json", "status.json")
 _SALVAGE_CHUNK = 512
@@ -55,6 +56,8 @@ class Loss:
     state_restored: bool = False
     uncounted: list[str] = field(default_factory=list)  # tables not (wholly) copied: loss not in unreadable_rows
     uncounted_rows: dict[str, int | None] = field(default_factory=dict)  # their rows not copied; None: unreadable
+    previous_store: str | None = None  # a vanished or replaced store: its id and the last sequence it handed out
+    last_sequence: int | None = None
 
     def not_copied(self, table: str, rows: int | None) -> None:
         if table not in self.uncounted:
@@ -67,6 +70,7 @@ class Loss:
             "SalvagedRecords": self.salvaged_records, "SalvagedDeadLetters": self.salvaged_dead_letters,
             "UnreadableRows": self.unreadable_rows, "UncountedTables": self.uncounted,
             "UncountedRows": self.uncounted_rows, "StateRestored": self.state_restored,
+            "PreviousStore": self.previous_store, "LastSequence": self.last_sequence,
         }
 
     @classmethod
@@ -78,7 +82,9 @@ class Loss:
         return cls(str(d.get("Reason")), str(d.get("Detail")), str(d.get("RenamedTo")), num("SalvagedRecords"),
                    num("SalvagedDeadLetters"), num("UnreadableRows"), d.get("StateRestored") is True,
                    [str(t) for t in d.get("UncountedTables") or []],
-                   {str(k): v if isinstance(v, int) else None for k, v in rows.items()})
+                   {str(k): v if isinstance(v, int) else None for k, v in rows.items()},
+                   d["PreviousStore"] if isinstance(d.get("PreviousStore"), str) else None,
+                   num("LastSequence") if isinstance(d.get("LastSequence"), int) else None)
 
 
 def lock_state_dir(state_dir: Path) -> int | None:
@@ -100,8 +106,11 @@ def lock_state_dir(state_dir: Path) -> int | None:
     except OSError:
         os.close(fd)
         raise StateError(f"another sefwd agent is running with state dir {state_dir}") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
+    # Our pid, and the store marker kept as it was (forwarder.store.marker: a vanished state.db is announced).
+    try:
+        rewrite(fd, marker_bytes(parse_marker(os.read(fd, 4096))))
+    except OSError:
+        pass
     return fd
 
 
@@ -484,12 +493,54 @@ def open_agent_store(state_dir: Path, *, fsync: bool = True, max_size: int = 256
         problem = _problem(path, fsync)
         if problem is not None:
             _switch(path, _build(path, problem, fsync, clock()))
+    previous = read_marker(state_dir)  # (read before the store is opened: opening it creates a missing one)
     try:
         store = Store(connect(path, fsync=fsync), path, max_size=max_size, clock=clock)
     except sqlite3.Error as exc:
         raise StateError(f"cannot create {path}: {exc}") from None
     try:
+        store.marker = Marker(state_dir, _adopt(store, previous, clock()))
+        store.marker.write(int(store.meta().get("sequence") or 0))
         return store, pending_loss(store)
     except StateError:
         store.close()
         raise
+
+
+def _text(value: Any) -> str | None:
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return value if isinstance(value, str) and value else None
+
+
+def _adopt(store: Store, previous: MarkerData | None, now: float) -> str:
+    """This store's id (given to a store that has none); when the marker names another store, the
+    loss is announced: the previous store's id and the last sequence it handed out."""
+    meta = store.meta()
+    store_id, replaced = _text(meta.get("store_id")), _text(meta.get("replaced_store"))
+    new_id = store_id or uuid.uuid4().hex
+    lost = previous is not None and previous.store != new_id and previous.store != replaced
+    if new_id == store_id and not lost:
+        return new_id
+    with store.transaction() as c:
+        c.execute("INSERT OR REPLACE INTO meta VALUES ('store_id', ?)", (new_id,))
+        if lost:
+            assert previous is not None
+            reason = "database_replaced" if store_id else "database_vanished"
+            what = "is another store" if store_id else "was not found (deleted, or never restored)"
+            loss = Loss(reason, f"{DB_FILE} {what}: store {previous.store} held this state dir, its last sequence "
+                        f"{previous.sequence}", "", previous_store=previous.store, last_sequence=previous.sequence)
+            for table in SCHEMA_TABLES:
+                loss.not_copied(table, None)
+            log.error("%s: %s; starting a new store and announcing the loss (remove %s too to start over on purpose)",
+                      store.path, loss.detail, LOCK_FILE)
+            c.execute("INSERT OR REPLACE INTO meta VALUES ('replaced_store', ?)", (previous.store,))
+            # Numbers never reused, even with a wall clock set back; no replay of what the lost cache saw.
+            c.execute("INSERT OR IGNORE INTO meta VALUES ('sequence', ?), ('format', ?)",
+                      (max(sequence_floor(now), previous.sequence), FORMAT))
+            c.execute("UPDATE meta SET value = max(CAST(value AS INTEGER), ?) WHERE key = 'sequence'", (previous.sequence,))
+            c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (REPLAY_FLOOR, now))
+            Store._count(c, "*", reason, 1)
+            c.execute("INSERT INTO inbox(entry, time) VALUES (?, ?)",
+                      (orjson.dumps({"Lifecycle": "data_lost", "Data": loss.record_data()}), now))
+    return new_id

@@ -97,7 +97,10 @@ def test_full_file_system_stops_commits_loudly_and_everything_delivers_when_spac
             emu.cancel(event_id)
         wait_until(lambda: agent.logs().count("could not commit") >= 2, 60, "the second failure")
         filler.unlink()
-        canceled = lambda: {r["subject"] for r in of_type(hook_records(rx), "scheduledevent.canceled")}  # noqa: E731
+        # (canceled, or ended with an unknown outcome: cancels the agent could not commit one by one
+        # reach it as one step of several documents, which proves no cancel: docs/outcomes.md)
+        canceled = lambda: {r["subject"] for r in hook_records(rx)  # noqa: E731
+                            if r["type"] in ("scheduledevent.canceled", "scheduledevent.ended")}
         wait_until(lambda: canceled() >= set(ids), 60, "cancels delivered")
         wait_until(lambda: {r["id"] for r in read_jsonl(out)} <= {r["id"] for r in hook_records(rx)}, 30, "both sinks level")
         assert agent.alive() and "thread died" not in agent.logs()
