@@ -78,7 +78,8 @@ class Loss:
         def num(key: str) -> int:
             return d[key] if isinstance(d.get(key), int) else 0
 
-        rows = d.get("UncountedRows") if isinstance(d.get("UncountedRows"), dict) else {}
+        found = d.get("UncountedRows")
+        rows: dict[Any, Any] = found if isinstance(found, dict) else {}
         return cls(str(d.get("Reason")), str(d.get("Detail")), str(d.get("RenamedTo")), num("SalvagedRecords"),
                    num("SalvagedDeadLetters"), num("UnreadableRows"), d.get("StateRestored") is True,
                    [str(t) for t in d.get("UncountedTables") or []],
