@@ -9,6 +9,7 @@ start-over: no announcement. The real agent, real SQLite, the emulator, a real w
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import orjson
@@ -69,3 +70,25 @@ def test_removing_the_marker_too_is_a_deliberate_start_over(tmp_path: Path) -> N
     assert of_type(hook_records(rx), "forwarder.data_lost") == []
     marker = orjson.loads((state / "agent.lock").read_bytes())
     assert set(marker) == {"pid", "store", "sequence"}
+
+
+def test_a_salvaged_store_keeps_its_id_so_the_marker_raises_no_second_alarm(tmp_path: Path) -> None:
+    from forwarder.store.recovery import lock_state_dir, open_agent_store
+
+    state = tmp_path / "state"
+    lock = lock_state_dir(state)
+    store, loss = open_agent_store(state)  # a healthy start writes the marker
+    assert loss is None
+    store.load_state()
+    with store.transaction() as c:
+        c.execute("UPDATE meta SET value = 'garbage' WHERE key = 'sequence'")  # then the database is damaged
+    store.close()
+    store, loss = open_agent_store(state)
+    try:
+        announcements = [e for _, e in store.inbox() if isinstance(e, dict) and e.get("Lifecycle") == "data_lost"]
+    finally:
+        store.close()
+        if lock is not None:
+            os.close(lock)
+    assert loss is not None and loss.reason == "database_damaged"
+    assert [a["Data"]["Reason"] for a in announcements] == ["database_damaged"]
