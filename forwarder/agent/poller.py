@@ -145,20 +145,21 @@ class Poller:
             self._notify()
             return self.poll_interval
         self._errors.clear("document")
-        now = self._wall()
-        changes = diff(self.current, document, now, self.evidence.context(now, self.factory.vm.names()))
-        built: list[Record] = []
-
-        def build() -> list[Record]:
-            built[:] = self.factory.for_changes(changes, document)
-            return built
-
         try:
+            now = self._wall()
+            changes = diff(self.current, document, now, self.evidence.context(now, self.factory.vm.names()))
+            built: list[Record] = []
+
+            def build() -> list[Record]:
+                built[:] = self.factory.for_changes(changes, document)
+                return built
+
             committed = self._emit(build, document=document, body=body)
         finally:
             if self._last_body is not body:
-                # Not committed: the next poll must fetch this body again, not be told "304,
-                # unchanged" against a validator of a document the store never got (issue 20).
+                # Not committed (the store refused, or the cycle failed): the next poll must fetch
+                # this body again, not be told "304, unchanged" against the validator of a
+                # document the store never got (issue 20).
                 self.imds.forget_etag()
         if committed:
             self.stats.changed_documents += 1
