@@ -543,7 +543,14 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
             if store is not None:
                 store.close()
         for dl in letters:
-            if args.json:
+            if dl.record is None:  # damaged: shown with its reason and raw bytes, never blocking the rest
+                if args.json:
+                    raw = {"sink": dl.sink, "time": dl.time, "reason": dl.reason, "detail": dl.detail, "record": None,
+                           "damaged": dl.damage, "raw": dl.raw_text(), "raw_bytes": len(dl.raw)}
+                    sys.stdout.buffer.write(orjson.dumps(raw) + b"\n")
+                else:
+                    print(f"{dl.sink}\t{dl.time}\t{dl.reason}\tdamaged\t{dl.damage}\t{dl.raw_text(80)!r}")
+            elif args.json:
                 obj = {"sink": dl.sink, "time": dl.time, "reason": dl.reason, "detail": dl.detail, "record": dl.record.to_dict()}
                 sys.stdout.buffer.write(orjson.dumps(obj) + b"\n")
             else:

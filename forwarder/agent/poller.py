@@ -19,6 +19,7 @@ from forwarder.errors import DocumentError, ForwarderError, ImdsError
 from forwarder.imds.evidence import evidence_from_dict, evidence_to_dict, read_boot_id, read_boot_time
 from forwarder.imds.identity import VmIdentity
 from forwarder.imds.client import RETRY_AFTER_CAP, ImdsClient
+from forwarder.common.json_safe import json_safe
 from forwarder.common.logs import RateLimitedLog
 from forwarder.records import RecordFactory, utcnow
 from forwarder.common.retry import Backoff
@@ -40,6 +41,7 @@ class PollStats:
     bad_documents: int = 0
     outbox_errors: int = 0
     cycle_errors: int = 0  # unexpected exceptions inside one cycle (a bug, or input nobody foresaw)
+    bad_audits: int = 0  # audit entries that could not become a record even made safe: set aside, logged
     consecutive_failures: int = 0
     last_ok_wall: datetime | None = None
 
@@ -146,17 +148,25 @@ class Poller:
             self._notify()
             return self.poll_interval
         self._errors.clear("document")
-        now = self._wall()
-        changes = diff(self.current, document, now, self.evidence.context(now, self.factory.vm.names()))
-        self.evidence.approval_seen_elsewhere(
-            [c.event.event_id for c in changes if c.early_start and c.early_start["ApprovedBy"] == "elsewhere"], now)
-        built: list[Record] = []
+        try:
+            now = self._wall()
+            changes = diff(self.current, document, now, self.evidence.context(now, self.factory.vm.names()))
+            self.evidence.approval_seen_elsewhere(
+                [c.event.event_id for c in changes if c.early_start and c.early_start["ApprovedBy"] == "elsewhere"], now)
+            built: list[Record] = []
 
-        def build() -> list[Record]:
-            built[:] = self.factory.for_changes(changes, document)
-            return built
+            def build() -> list[Record]:
+                built[:] = self.factory.for_changes(changes, document)
+                return built
 
-        if self._emit(build, document=document, body=body):
+            committed = self._emit(build, document=document, body=body)
+        finally:
+            if self._last_body is not body:
+                # Not committed (the store refused, or the cycle failed): the next poll must fetch
+                # this body again, not be told "304, unchanged" against the validator of a
+                # document the store never got (issue 20).
+                self.imds.forget_etag()
+        if committed:
             self.stats.changed_documents += 1
             self.stats.records += len(changes)
             if changes and self.on_changes is not None:
@@ -182,8 +192,11 @@ class Poller:
         queued: list[dict[str, Any]] = []
         while self.inbox:
             queued.append(self.inbox.popleft())
-        entries = [e for e in queued + [e for _, e in stored]
-                   if isinstance(e, dict) and (e.get("Outcome") or e.get("Lifecycle") == "data_lost")]
+        # Each entry made safe on its own (bounded, serializable: a refused client's 2**70 keeps its
+        # digits as text); one that still cannot become a record is counted and set aside alone.
+        kept = [(e, n < len(queued), json_safe(e)) for n, e in enumerate(queued + [e for _, e in stored])
+                if isinstance(e, dict) and (e.get("Outcome") or e.get("Lifecycle") == "data_lost")]
+        entries: list[dict[str, Any]] = [safe for _, _, safe in kept]
         if len(entries) < len(queued) + len(stored):
             log.error("dropping %d unreadable approval inbox entr(ies)", len(queued) + len(stored) - len(entries))
         for entry in entries:
@@ -192,15 +205,31 @@ class Poller:
                 ids = [i for i in entry["EventIds"] if isinstance(i, str)]
                 self.evidence.approval_accepted(ids, self._wall())
 
+        set_aside: list[int] = []  # indexes into entries, counted once however often the commit is retried
+
         def build() -> list[Record]:
-            # (start-up recovery queues its forwarder.data_lost announcement here: see forwarder.store.recovery)
-            return [self.factory.lifecycle("data_lost", e["Data"] if isinstance(e.get("Data"), dict) else {})
-                    if e.get("Lifecycle") else self.factory.approval(e) for e in entries]
+            out: list[Record] = []
+            for n, e in enumerate(entries):
+                sequence = self.factory.sequence
+                try:
+                    # (start-up recovery queues its forwarder.data_lost announcement here: see forwarder.store.recovery)
+                    out.append(self.factory.lifecycle("data_lost", e["Data"] if isinstance(e.get("Data"), dict) else {})
+                               if e.get("Lifecycle") else self.factory.approval(e))
+                except Exception as exc:  # noqa: BLE001 - one entry, never the batch
+                    self.factory.sequence = sequence  # (no gap in the sequence)
+                    if n not in set_aside:
+                        set_aside.append(n)
+                        self.stats.bad_audits += 1
+                        log.error("setting aside an approval audit entry that cannot become a record (%s: %s): %.500r",
+                                  type(exc).__name__, exc, e)
+            return out
 
         if self._emit(build, inbox_ids=[i for i, _ in stored]):
             self._inbox_failures = 0
         else:
-            self.inbox.extendleft(reversed(queued))  # inbox rows stay in the store and are retried
+            # Inbox rows stay in the store and are retried; so are the queued entries, but those set aside.
+            self.inbox.extendleft(reversed([e for n, (e, queued_here, _) in enumerate(kept)
+                                            if queued_here and n not in set_aside]))
             self._inbox_failures += 1  # with the poller's backoff (the poll itself goes on meanwhile)
             self._inbox_due = self._mono() + self._backoff.delay(self._inbox_failures - 1, self._rng)
 

@@ -162,6 +162,7 @@ class Agent:
             "consecutive_failures": st.consecutive_failures,
             "last_poll_ok": rfc3339(st.last_ok_wall),
             "outbox_errors": st.outbox_errors,
+            "bad_audits": st.bad_audits,
         }
         if self.maintenance is not None and self.config.probe.enabled:
             view = self.maintenance.tracker.view().as_dict()

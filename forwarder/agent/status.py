@@ -193,7 +193,8 @@ def format_status(s: dict[str, Any]) -> str:
             )
         if agent.get("data_lost"):
             lost = agent["data_lost"]
-            lines.append(f"DATA LOST at start: {lost.get('Reason')} ({lost.get('Detail')}); set aside as {lost.get('RenamedTo')}")
+            aside = f"; set aside as {lost.get('RenamedTo')}" if lost.get("RenamedTo") else ""
+            lines.append(f"DATA LOST at start: {lost.get('Reason')} ({lost.get('Detail')}){aside}")
     elif s["running"]:
         lines.append("no status report yet (the agent is starting)")
     else:

@@ -159,7 +159,7 @@ class Approver:
         if not ids:
             return Attempt(REFUSED, "no_event_ids", 422), None, None
         try:
-            fetch = self.imds.scheduled_events()
+            fetch = self.imds.scheduled_events(conditional=False)  # the body, never a 304
             document = parse_document(fetch.body or b"")
         except (ImdsError, DocumentError) as exc:
             return Attempt(FAILED, "imds_unavailable", 503, detail=str(exc)), None, getattr(exc, "status", None)

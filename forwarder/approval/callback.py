@@ -234,7 +234,8 @@ def _client_text(address: Any) -> str:
 
 
 def _client_host(address: Any) -> str:
-    """The unit of the per-client connection cap: the IPv4 address, or the IPv6 /64 (one host's share)."""
+    """The one client key: the IPv4 address, or the IPv6 /64 (one host's share). The per-client
+    connection cap, the request rate limit and refusal aggregation (forwarder.approval.refusals) all use it."""
     host = str(address[0]) if isinstance(address, tuple) and address else str(address)
     try:
         ip = ipaddress.ip_address(host.split("%", 1)[0])
@@ -434,7 +435,7 @@ class _Handler(QuietHandler):
     def _admit(self) -> None:
         if self.admitted is not None:
             return
-        retry_after = self.owner._buckets.take(self.client_address[0])
+        retry_after = self.owner._buckets.take(_client_host(self.client_address))  # (IPv6: the /64)
         self.admitted = retry_after is None
         if retry_after is not None:
             seconds = max(1, math.ceil(retry_after))
@@ -704,6 +705,8 @@ class CallbackServer:
         except SignatureError as exc:
             raise _Refusal(401, exc.reason, str(exc)) from None
         assert self._replay is not None
+        if self._replay.signed_before_loss(float(handler.headers.get("webhook-timestamp") or 0)):
+            raise _Refusal(409, "replay_cache_lost", "signed before the replay cache was lost; sign it again")
         try:
             fresh = self._replay.add_if_new(msg_id)
         except StateError as exc:

@@ -28,6 +28,18 @@ class ReplayCache:
             self._store: Store | None = Store(connect(Path(path)), Path(path), clock=clock)
         except sqlite3.Error as exc:
             raise StateError(f"cannot open replay cache {path}: {exc}") from None
+        # Set when the ids remembered may have been lost (a salvaged or vanished database,
+        # forwarder.store.recovery): nothing signed before it is accepted, or a request accepted
+        # before the loss could be replayed within its tolerance.
+        floor = self._store.meta().get("replay_floor")
+        try:
+            self.floor = float(floor) if floor is not None else None
+        except (TypeError, ValueError):
+            self.floor = float("inf")  # unreadable: refuse rather than reopen a window
+
+    def signed_before_loss(self, signed_at: float) -> bool:
+        """Whether a request signed at ``signed_at`` predates a loss of the remembered ids."""
+        return self.floor is not None and signed_at < self.floor
 
     def seen(self, msg_id: str) -> bool:
         """Whether ``msg_id`` was added within the window."""

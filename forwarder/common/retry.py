@@ -47,13 +47,14 @@ class Backoff:
         """Seconds to wait before retry number ``attempt`` (0-based).
 
         Without ``retry_after``: full jitter, uniform(0, ceiling(attempt)), so a fleet of agents
-        that failed together does not retry together. With ``retry_after`` the server's word wins
-        (even when shorter or longer than our own ceiling), clamped to [0, retry_after_cap] so a
-        bogus header cannot park a sender for hours; no jitter is added because the server has
-        already chosen when it wants to hear from us.
+        that failed together does not retry together. With ``retry_after`` the server's word can
+        lengthen the wait (even beyond our own ceiling), never shorten it below ``initial``: a
+        ``Retry-After: 0`` or a date in the past must not make a hot loop. It is clamped to
+        [initial, retry_after_cap] so a bogus header cannot park a sender for hours either; no
+        jitter is added because the server has already chosen when it wants to hear from us.
         """
         if retry_after is not None and math.isfinite(retry_after):
-            return min(max(0.0, float(retry_after)), self.retry_after_cap)
+            return min(max(self.initial, float(retry_after)), max(self.initial, self.retry_after_cap))
         return (rng or random).uniform(0.0, self.ceiling(attempt))
 
 

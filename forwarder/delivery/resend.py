@@ -46,13 +46,20 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0, json_out: 
     except ForwarderError as exc:
         print(f"sefwd: {exc}", file=sys.stderr)
         return 1
+    # A damaged body cannot be sent: it stays a dead letter (`deadletter list` shows its raw bytes)
+    # and never blocks the others.
+    damaged = [dl for dl in letters if dl.record is None]
+    letters = [dl for dl in letters if dl.record is not None]
+    if damaged:
+        print(f"sefwd: {len(damaged)} dead letter(s) of sink {sink_name} are damaged (not a record); kept, not sent "
+              "(see `sefwd deadletter list`)", file=sys.stderr)
     if not letters:
         store.close()
-        if json_out:
-            _counts(sink_name, 0, 0, json_out)
+        if json_out or damaged:
+            _counts(sink_name, 0, len(damaged), json_out)
         else:
             print(f"sink {sink_name}: no dead letters", file=sys.stderr)
-        return 0
+        return 1 if damaged else 0
     stop = threading.Event()
     try:
         sink = load_sink_factory(sink_cfg.type)(
@@ -75,7 +82,7 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0, json_out: 
             ids = [dl.id for dl in chunk]
             attempt = 0
             while True:
-                result = sink.send([dl.record for dl in chunk])
+                result = sink.send([dl.record for dl in chunk if dl.record is not None])
                 if isinstance(result, Ok):
                     store.settle_dead(ids)
                     sent += len(chunk)
@@ -99,6 +106,7 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0, json_out: 
         bar.close()
         sink.close()
         store.close()
+    failed += len(damaged)
     _counts(sink_name, sent, failed, json_out)
     if interrupted:
         print("sefwd: interrupted (Ctrl-C); the rest are still dead letters", file=sys.stderr)

@@ -220,7 +220,7 @@ class ImdsClient:
         self.budget = budget if budget is not None else RequestBudget.for_endpoint(base)
         self._pool = _Pool(base, connect_timeout, max_body)
         self._headers = {"Metadata": "true", "User-Agent": f"sefwd/{__version__}", "Accept": "application/json"}
-        self._events_raw = self._pool.encode("GET", self.events_url, self._headers)
+        self._events_raw = self._plain_raw = self._pool.encode("GET", self.events_url, self._headers)
         self._etag: str | None = None
         self._answered = False  # until IMDS first answers, allow the long first-call timeout
 
@@ -238,18 +238,24 @@ class ImdsClient:
                    backoff=backoff, stop=stop, budget=budget)
 
     # -- Scheduled Events poll -----------------------------------------------------------------
-    def scheduled_events(self) -> Fetch:
-        """One GET of the Scheduled Events document; raises ImdsError, never retries."""
+    def scheduled_events(self, *, conditional: bool = True) -> Fetch:
+        """One GET of the Scheduled Events document; raises ImdsError, never retries.
+
+        ``conditional=False``: a read that needs the body (an approval checks the document it
+        approves) never sends ``If-None-Match``, so it is never answered ``304``.
+        """
         deadline = self.timeout if self._answered else self.first_call_timeout
         started = self._clock()
-        response = self._send("GET", self.events_url, deadline, self._events_raw)
+        response = self._send("GET", self.events_url, deadline, self._events_raw if conditional else self._plain_raw)
         elapsed = self._clock() - started
         status = response.status
         if status == 200:
             self._answered = True
+            if not conditional:
+                return Fetch(200, response.body, response.headers.get("etag"), elapsed)
             self._remember_etag(response.headers.get("etag"))
             return Fetch(200, response.body, self._etag, elapsed)
-        if status == 304 and self._etag is not None:
+        if status == 304 and self._etag is not None and conditional:
             self._answered = True
             return Fetch(304, None, response.headers.get("etag") or self._etag, elapsed)
         if status == 304:  # we asked for nothing conditional: there is no body to fall back on
@@ -258,7 +264,8 @@ class ImdsClient:
         raise self._status_error("GET", self.events_url, response)
 
     def forget_etag(self) -> None:
-        """Stop sending If-None-Match (for a caller that lost the body the ETag stands for)."""
+        """Stop sending If-None-Match (for a caller that lost the body the ETag stands for, or could
+        not commit it: the validator must be the one of the last document the caller kept)."""
         self._remember_etag(None)
 
     def _remember_etag(self, etag: str | None) -> None:

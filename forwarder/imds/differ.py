@@ -22,7 +22,8 @@ _KIND_OF_OUTCOME = {OUTCOME_COMPLETED: COMPLETED, OUTCOME_CANCELED: CANCELED}
 
 # Why an event left the document; "Completed" is never sent by IMDS, so this is inferred.
 ENDED = "ended"  # it had been seen Started
-CANCELED_BEFORE_NOT_BEFORE = "canceled_before_notbefore"  # gone while Scheduled, before NotBefore
+# Where the event was, never a conclusion: completed and ended records carry it too (data.Outcome says how it ended).
+GONE_BEFORE_NOT_BEFORE = "gone_before_notbefore"  # gone while Scheduled, before NotBefore
 GONE_AFTER_NOT_BEFORE = "ran_or_canceled_unobserved"  # gone while Scheduled, after NotBefore
 
 
@@ -54,7 +55,7 @@ def _removal_reason(event: Event, now: datetime) -> str:
     if event.started:
         return ENDED
     if event.not_before is not None and now < event.not_before:
-        return CANCELED_BEFORE_NOT_BEFORE
+        return GONE_BEFORE_NOT_BEFORE
     return GONE_AFTER_NOT_BEFORE
 
 
@@ -89,7 +90,7 @@ def diff(previous: Document | None, current: Document, now: datetime,
     present = {e.event_id for e in current.events}
     gone = [old for old in previous.events if old.event_id not in present]
     context = evidence or EvidenceContext(now=now)
-    unseen = unseen_states(previous.incarnation, current.incarnation, len(changes) + len(gone))
+    unseen = unseen_states(previous.incarnation, current.incarnation)
     for i, change in enumerate(changes):
         if change.kind == STARTED and change.previous is not None:
             early = early_start(change.previous, change.event, context, unseen)

@@ -82,8 +82,9 @@ def _iso(moment: datetime | None) -> str | None:
 def decide(event: Event, context: EvidenceContext, unseen_states: int | None) -> Outcome:
     """Outcome of ``event`` (as last seen) that is gone now.
 
-    ``unseen_states``: DocumentIncarnation steps between the last two documents that no visible
-    change explains (states this agent never saw); None when the incarnation is missing or opaque.
+    ``unseen_states``: documents between the last two that this agent never saw (``unseen_states``
+    below); None when the incarnation is missing, opaque, went back or stood still. Only 0
+    supports ``canceled``.
     """
     now = context.now
     approved_at = context.approvals.get(event.event_id.lower())
@@ -140,13 +141,20 @@ def early_start(before: Event, after: Event, context: EvidenceContext, unseen: i
     return {"ApprovedBy": "this_vm" if mine else "elsewhere", "SecondsBeforeNotBefore": round(ahead, 3)}
 
 
-def unseen_states(before: object, after: object, visible_changes: int) -> int | None:
-    """Incarnation steps no visible change explains; None unless both are integers and it did not go back."""
+def unseen_states(before: object, after: object) -> int | None:
+    """Documents between the last two that this agent never saw: the incarnation step minus one.
+
+    IMDS raises ``DocumentIncarnation`` once per document change, not once per event change: one
+    step may add, update and remove several events, so a step larger than one means unseen
+    documents whatever changed visibly (issue 20). None unless both are integers and the
+    counter went up: a counter that went back (IMDS reset it) or stood still while the document
+    changed proves nothing.
+    """
     if not isinstance(before, int) or not isinstance(after, int) or isinstance(before, bool) or isinstance(after, bool):
         return None
-    if after < before:
-        return None  # a counter that went back (IMDS reset it): nothing can be told from it
-    return max(0, after - before - visible_changes)
+    if after <= before:
+        return None
+    return after - before - 1
 
 
 def fold(outcomes: Iterable[str]) -> str:

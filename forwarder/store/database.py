@@ -22,6 +22,7 @@ import orjson
 
 from forwarder.errors import StateError
 from forwarder.sinkapi import Record
+from forwarder.store.marker import Marker
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +160,24 @@ class DeadLetter:
     time: str
     reason: str
     detail: str
-    record: Record
+    record: Record | None  # None: the body is damaged (not a CloudEvents JSON object), see ``damage``
+    raw: bytes = b""
+    damage: str | None = None  # why the body cannot be read as a record
+
+    def raw_text(self, limit: int = 1024) -> str:
+        """The raw body for a reader: undecodable bytes as \\xNN, cut at ``limit`` characters."""
+        text = self.raw[: limit * 4].decode("utf-8", "backslashreplace")
+        return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _dead_letter(i: int, sink: str, when: str, reason: str, detail: str, body: bytes) -> DeadLetter:
+    """One row as a DeadLetter; a damaged body never fails the others (it is kept, marked)."""
+    try:
+        record: Record | None = Record.from_body(body)
+        damage = None
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        record, damage = None, f"damaged record body ({len(body)} bytes): {type(exc).__name__}: {str(exc)[:200]}"
+    return DeadLetter(i, str(sink), str(when), str(reason), str(detail), record, body, damage)
 
 
 class Store:
@@ -180,6 +198,7 @@ class Store:
         self.next_index = max(int(row[1]), int(seq[0]) if seq else 0) + 1
         self.append_failures = 0
         self._data_version: int | None = None
+        self.marker: Marker | None = None  # the agent's store only (forwarder.store.recovery): high-water sequence
 
     @classmethod
     def open(cls, state_dir: Path, *, fsync: bool = True, max_size: int = 256 * 1024 * 1024,
@@ -263,6 +282,8 @@ class Store:
         except StoreError:
             self.append_failures += 1
             raise
+        if state is not None and self.marker is not None:
+            self.marker.write(state.sequence)
         self.size += added
         if rows:
             with self.changed:  # this connection is the only writer of records: ids follow on
@@ -375,7 +396,8 @@ class Store:
     def dead_letters(self, sink: str | None = None) -> list[DeadLetter]:
         sql = "SELECT id, sink, time, reason, detail, body FROM dead_letters"
         rows = self.query(sql + (" WHERE sink = ? ORDER BY id" if sink else " ORDER BY sink, id"), (sink,) if sink else ())
-        return [DeadLetter(i, s, t, r, d, Record.from_body(bytes(b))) for i, s, t, r, d, b in rows]
+        return [_dead_letter(i, s, t, r, d, b if isinstance(b, bytes) else str(b).encode("utf-8", "surrogateescape"))
+                for i, s, t, r, d, b in rows]
 
     def dead_counts(self) -> dict[str, int]:
         return {s: n for s, n in self.query("SELECT sink, count(*) FROM dead_letters GROUP BY sink")}
@@ -422,3 +444,5 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self.conn.close()
+            if self.marker is not None:
+                self.marker.close()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sqlite3
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,16 +23,24 @@ import orjson
 
 from forwarder.errors import StateError
 from forwarder.store.database import DB_FILE, FORMAT, SCHEMA, Store, connect, parse_meta, priority_of, sequence_floor
+from forwarder.store.marker import LOCK_FILE, Marker, MarkerData, marker_bytes, parse_marker, read_marker, rewrite
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "agent.lock"
 # The hand-made stores before state.db. No release shipped them, so they are set aside, not migrated.
 OLD_LAYOUT = ("state.json", "journal", "deadletter", "spool", "callback-replay.log", "approved.json", "status.json")
 _SALVAGE_CHUNK = 512
 SALVAGE_TMP = DB_FILE + ".salvage-tmp"  # being built; a leftover one is discarded and built again
 SALVAGED = DB_FILE + ".salvaged-"  # complete, to replace state.db (whose files go aside with the same <ns>)
 DAMAGE = frozenset({"SQLITE_CORRUPT", "SQLITE_NOTADB", "SQLITE_FORMAT"})  # errors that mean a damaged file
+# Tables with rules of their own: records and dead letters are read in id ranges around damage and
+# renumbered; meta is read field by field; cursors are not copied (the records are renumbered and
+# every sink resumes at the oldest salvaged record: duplicates, never a loss). Every other table,
+# whoever added it, is copied row by row as it is.
+OWN_RULES = ("records", "dead_letters", "meta", "cursors")
+# What a file whose schema cannot be read at all held (at least): every table of the schema.
+SCHEMA_TABLES = tuple(t for t in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA) if t not in ("meta", "cursors"))
+REPLAY_FLOOR = "replay_floor"  # meta: callback requests signed before it are refused (forwarder.approval.seen_ids)
 
 
 @dataclass
@@ -44,14 +54,23 @@ class Loss:
     salvaged_dead_letters: int = 0
     unreadable_rows: int = 0  # ids in damaged ranges, and rows with a missing or wrong-kind value
     state_restored: bool = False
-    uncounted: list[str] = field(default_factory=list)  # tables unreadable beyond counting: loss unknown
+    uncounted: list[str] = field(default_factory=list)  # tables not (wholly) copied: loss not in unreadable_rows
+    uncounted_rows: dict[str, int | None] = field(default_factory=dict)  # their rows not copied; None: unreadable
+    previous_store: str | None = None  # a vanished or replaced store: its id and the last sequence it handed out
+    last_sequence: int | None = None
+
+    def not_copied(self, table: str, rows: int | None) -> None:
+        if table not in self.uncounted:
+            self.uncounted.append(table)
+        self.uncounted_rows[table] = rows
 
     def record_data(self) -> dict[str, Any]:
         return {
             "Reason": self.reason, "Detail": self.detail, "RenamedTo": self.renamed_to,
             "SalvagedRecords": self.salvaged_records, "SalvagedDeadLetters": self.salvaged_dead_letters,
             "UnreadableRows": self.unreadable_rows, "UncountedTables": self.uncounted,
-            "StateRestored": self.state_restored,
+            "UncountedRows": self.uncounted_rows, "StateRestored": self.state_restored,
+            "PreviousStore": self.previous_store, "LastSequence": self.last_sequence,
         }
 
     @classmethod
@@ -59,9 +78,14 @@ class Loss:
         def num(key: str) -> int:
             return d[key] if isinstance(d.get(key), int) else 0
 
+        found = d.get("UncountedRows")
+        rows: dict[Any, Any] = found if isinstance(found, dict) else {}
         return cls(str(d.get("Reason")), str(d.get("Detail")), str(d.get("RenamedTo")), num("SalvagedRecords"),
                    num("SalvagedDeadLetters"), num("UnreadableRows"), d.get("StateRestored") is True,
-                   [str(t) for t in d.get("UncountedTables") or []])
+                   [str(t) for t in d.get("UncountedTables") or []],
+                   {str(k): v if isinstance(v, int) else None for k, v in rows.items()},
+                   d["PreviousStore"] if isinstance(d.get("PreviousStore"), str) else None,
+                   num("LastSequence") if isinstance(d.get("LastSequence"), int) else None)
 
 
 def lock_state_dir(state_dir: Path) -> int | None:
@@ -83,8 +107,11 @@ def lock_state_dir(state_dir: Path) -> int | None:
     except OSError:
         os.close(fd)
         raise StateError(f"another sefwd agent is running with state dir {state_dir}") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, str(os.getpid()).encode())
+    # Our pid, and the store marker kept as it was (forwarder.store.marker: a vanished state.db is announced).
+    try:
+        rewrite(fd, marker_bytes(parse_marker(os.read(fd, 4096))))
+    except OSError:
+        pass
     return fd
 
 
@@ -170,7 +197,7 @@ def _rows(conn: sqlite3.Connection, table: str, columns: str, after: int, loss: 
             chunk = conn.execute(f"SELECT id, {columns} FROM {table} WHERE id > ? ORDER BY id LIMIT ?",
                                  (last, _SALVAGE_CHUNK)).fetchall()
         except sqlite3.Error:
-            loss.uncounted.append(table)
+            loss.not_copied(table, None)
             return out
         if not chunk:
             return out
@@ -195,17 +222,74 @@ def _rows(conn: sqlite3.Connection, table: str, columns: str, after: int, loss: 
     return out
 
 
-def _salvage(db: Path, loss: Loss) -> tuple[dict[str, Any], list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """Meta, undelivered records and dead letters that can still be read from a damaged database."""
+@dataclass
+class _Table:
+    """A table copied as it is: its schema (and indexes) as the damaged file declares them, its rows."""
+
+    name: str
+    sql: str
+    indexes: list[str]
+    columns: list[str]
+    rows: list[tuple[Any, ...]]
+
+
+def _count(conn: sqlite3.Connection, table: str) -> int | None:
+    try:
+        return int(conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0])
+    except (sqlite3.Error, TypeError, ValueError):
+        return None
+
+
+def _other_tables(conn: sqlite3.Connection, loss: Loss) -> list[_Table]:
+    """Every table but those with rules of their own, read whole; what cannot be read is named."""
+    try:
+        found = conn.execute("SELECT name, sql FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' "
+                             "ORDER BY rowid").fetchall()
+        indexes = conn.execute("SELECT tbl_name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL").fetchall()
+    except sqlite3.Error:
+        for table in SCHEMA_TABLES:
+            if table not in OWN_RULES:
+                loss.not_copied(table, None)
+        return []
+    # Every store the agent opened has the whole schema: a table of it missing from the file was lost with its schema.
+    for table in SCHEMA_TABLES:
+        if table not in OWN_RULES and table not in {n for n, _ in found}:
+            loss.not_copied(table, None)
+    out: list[_Table] = []
+    for name, sql in found:
+        if name in OWN_RULES or not isinstance(name, str):
+            continue
+        rows: list[tuple[Any, ...]] = []
+        try:
+            columns = [str(c[1]) for c in conn.execute(f'PRAGMA table_info("{name}")').fetchall()]
+            cursor = conn.execute(f'SELECT {", ".join(f"{chr(34)}{c}{chr(34)}" for c in columns)} FROM "{name}"')
+            while chunk := cursor.fetchmany(_SALVAGE_CHUNK):
+                rows.extend(chunk)
+        except sqlite3.Error:
+            total = _count(conn, name)
+            loss.not_copied(name, None if total is None else max(0, total - len(rows)))
+            if not rows:
+                continue
+        if not isinstance(sql, str) or not columns:
+            loss.not_copied(name, _count(conn, name))
+            continue
+        out.append(_Table(name, sql, [s for t, s in indexes if t == name and isinstance(s, str)], columns, rows))
+    return out
+
+
+def _salvage(db: Path, loss: Loss) -> tuple[dict[str, Any], list[tuple[Any, ...]], list[tuple[Any, ...]], list[_Table]]:
+    """Meta, undelivered records, dead letters and every other table that can still be read from a damaged database."""
     meta: dict[str, Any] = {}
     if not db.is_file():
-        loss.uncounted += ["records", "dead_letters"]
-        return meta, [], []
+        for table in SCHEMA_TABLES:
+            loss.not_copied(table, None)
+        return meta, [], [], []
     try:
         conn = sqlite3.connect(db.absolute().as_uri() + "?mode=ro", uri=True, isolation_level=None)
     except sqlite3.Error:
-        loss.uncounted += ["records", "dead_letters"]
-        return meta, [], []
+        for table in SCHEMA_TABLES:
+            loss.not_copied(table, None)
+        return meta, [], [], []
     try:
         try:  # (read-only: lets SQLite read a file shorter than its header says, e.g. truncated)
             conn.execute("PRAGMA writable_schema=ON")
@@ -221,9 +305,10 @@ def _salvage(db: Path, loss: Loss) -> tuple[dict[str, Any], list[tuple[Any, ...]
             low = 1  # cursors unknown: resend everything readable (duplicates, not loss)
         records = _rows(conn, "records", "body, type, time_ms", low - 1, loss)
         dead = _rows(conn, "dead_letters", "sink, body, reason, detail, time", 0, loss)
+        others = _other_tables(conn, loss)
     finally:
         conn.close()
-    return meta, records, dead
+    return meta, records, dead, others
 
 
 def _blob(value: Any) -> bytes | None:
@@ -232,8 +317,31 @@ def _blob(value: Any) -> bytes | None:
     return value if isinstance(value, bytes) and value else None
 
 
+def _copy_table(conn: sqlite3.Connection, table: _Table, loss: Loss) -> None:
+    """One table into the new database: created as the damaged file declared it when the schema
+    does not have it, then its rows (columns both know), each on its own: a row that does not fit
+    is counted unreadable."""
+    if not conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table.name,)).fetchone():
+        try:
+            conn.execute(table.sql)
+            for index in table.indexes:
+                conn.execute(index)
+        except sqlite3.Error:
+            loss.not_copied(table.name, len(table.rows))
+            return
+    have = {str(c[1]) for c in conn.execute(f'PRAGMA table_info("{table.name}")').fetchall()}
+    keep = [n for n, c in enumerate(table.columns) if c in have]
+    names = ", ".join(f'"{table.columns[n]}"' for n in keep)
+    sql = f'INSERT OR REPLACE INTO "{table.name}"({names}) VALUES ({", ".join("?" * len(keep))})'
+    for row in table.rows:
+        try:
+            conn.execute(sql, [row[n] for n in keep])
+        except sqlite3.Error:
+            loss.unreadable_rows += 1
+
+
 def _restore(conn: sqlite3.Connection, meta: dict[str, Any], records: list[tuple[Any, ...]],
-             dead: list[tuple[Any, ...]], loss: Loss, now: float) -> None:
+             dead: list[tuple[Any, ...]], others: list[_Table], loss: Loss, now: float) -> None:
     """Put what was salvaged into the new database, with the announcement of the loss, in one
     transaction. A row with a value missing or of the wrong kind is counted lost, never fatal."""
     now_ms = int(now * 1000)
@@ -259,13 +367,20 @@ def _restore(conn: sqlite3.Connection, meta: dict[str, Any], records: list[tuple
     seqs.append(state.sequence)
     loss.state_restored = state.document is not None
     loss.salvaged_records, loss.salvaged_dead_letters = len(rows), len(letters)
-    counts = {loss.reason: 1, **({"unreadable_rows": loss.unreadable_rows} if loss.unreadable_rows else {})}
     conn.execute("BEGIN IMMEDIATE")
+    for table in others:  # (first: the loss counters below add to the salvaged ones)
+        _copy_table(conn, table, loss)
+    counts = {loss.reason: 1, **({"unreadable_rows": loss.unreadable_rows} if loss.unreadable_rows else {})}
     conn.executemany("INSERT INTO records(body, type, priority, time_ms) VALUES (?, ?, ?, ?)", rows)
     conn.executemany("INSERT INTO dead_letters(sink, body, reason, detail, time) VALUES (?, ?, ?, ?, ?)", letters)
+    own = {"sequence", "format", "document", "api_version", "vm", "evidence", REPLAY_FLOOR}
     conn.executemany("INSERT OR REPLACE INTO meta VALUES (?, ?)", [
+        *((k, v) for k, v in meta.items() if isinstance(k, str) and k not in own),  # keys added later, as they are
         ("sequence", max(seqs)), ("format", FORMAT), ("document", state.document),
-        ("api_version", state.api_version), ("vm", orjson.dumps(state.vm))])
+        ("api_version", state.api_version), ("vm", orjson.dumps(state.vm)), ("evidence", orjson.dumps(state.evidence)),
+        # The replay cache may have lost ids (a damaged page, a lost WAL): requests signed before
+        # now are refused, so none accepted before can be replayed (stale after the tolerance anyway).
+        (REPLAY_FLOOR, now)])
     for reason, n in counts.items():
         Store._count(conn, "*", reason, n)
     # The announcement waits in the inbox until the agent commits it as a record (deleting the row
@@ -379,12 +494,54 @@ def open_agent_store(state_dir: Path, *, fsync: bool = True, max_size: int = 256
         problem = _problem(path, fsync)
         if problem is not None:
             _switch(path, _build(path, problem, fsync, clock()))
+    previous = read_marker(state_dir)  # (read before the store is opened: opening it creates a missing one)
     try:
         store = Store(connect(path, fsync=fsync), path, max_size=max_size, clock=clock)
     except sqlite3.Error as exc:
         raise StateError(f"cannot create {path}: {exc}") from None
     try:
+        store.marker = Marker(state_dir, _adopt(store, previous, clock()))
+        store.marker.write(int(store.meta().get("sequence") or 0))
         return store, pending_loss(store)
     except StateError:
         store.close()
         raise
+
+
+def _text(value: Any) -> str | None:
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return value if isinstance(value, str) and value else None
+
+
+def _adopt(store: Store, previous: MarkerData | None, now: float) -> str:
+    """This store's id (given to a store that has none); when the marker names another store, the
+    loss is announced: the previous store's id and the last sequence it handed out."""
+    meta = store.meta()
+    store_id, replaced = _text(meta.get("store_id")), _text(meta.get("replaced_store"))
+    new_id = store_id or uuid.uuid4().hex
+    lost = previous is not None and previous.store != new_id and previous.store != replaced
+    if new_id == store_id and not lost:
+        return new_id
+    with store.transaction() as c:
+        c.execute("INSERT OR REPLACE INTO meta VALUES ('store_id', ?)", (new_id,))
+        if lost:
+            assert previous is not None
+            reason = "database_replaced" if store_id else "database_vanished"
+            what = "is another store" if store_id else "was not found (deleted, or never restored)"
+            loss = Loss(reason, f"{DB_FILE} {what}: store {previous.store} held this state dir, its last sequence "
+                        f"{previous.sequence}", "", previous_store=previous.store, last_sequence=previous.sequence)
+            for table in SCHEMA_TABLES:
+                loss.not_copied(table, None)
+            log.error("%s: %s; starting a new store and announcing the loss (remove %s too to start over on purpose)",
+                      store.path, loss.detail, LOCK_FILE)
+            c.execute("INSERT OR REPLACE INTO meta VALUES ('replaced_store', ?)", (previous.store,))
+            # Numbers never reused, even with a wall clock set back; no replay of what the lost cache saw.
+            c.execute("INSERT OR IGNORE INTO meta VALUES ('sequence', ?), ('format', ?)",
+                      (max(sequence_floor(now), previous.sequence), FORMAT))
+            c.execute("UPDATE meta SET value = max(CAST(value AS INTEGER), ?) WHERE key = 'sequence'", (previous.sequence,))
+            c.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (REPLAY_FLOOR, now))
+            Store._count(c, "*", reason, 1)
+            c.execute("INSERT INTO inbox(entry, time) VALUES (?, ?)",
+                      (orjson.dumps({"Lifecycle": "data_lost", "Data": loss.record_data()}), now))
+    return new_id

@@ -136,7 +136,7 @@ def test_scale_set_terminate_identity(runs):
 
 def test_canceled_and_hardware_failure(runs):
     (c,) = _by_kind(runs, "canceled-maintenance", "canceled")
-    assert c["RemovalReason"] == "canceled_before_notbefore" and c["EventStatus"] == "Scheduled"
+    assert c["RemovalReason"] == "gone_before_notbefore" and c["EventStatus"] == "Scheduled"
     (h,) = _by_kind(runs, "hardware-failure", "started")
     assert h["PreviousStatus"] is None and h["EventStatus"] == "Started" and h["ChangedFields"] == []
 

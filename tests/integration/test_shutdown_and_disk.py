@@ -89,7 +89,10 @@ def test_full_disk_stops_appends_loudly_and_recovers(tmp_path):
                    60, "the changes journaled and delivered once space returned")
         for event_id in ids:
             emu.cancel(event_id)
-        wait_until(lambda: {r.get("subject") for r in read_jsonl(out) if r["type"] == "scheduledevent.canceled"} >= set(ids),
+        # (canceled, or ended with an unknown outcome: three cancels seen in one poll are one step of
+        # several documents, which proves no cancel: docs/outcomes.md)
+        wait_until(lambda: {r.get("subject") for r in read_jsonl(out)
+                            if r["type"] in ("scheduledevent.canceled", "scheduledevent.ended")} >= set(ids),
                    60, "cancels delivered")
         wait_until(lambda: len(hook_ids(rx)) >= len({r["id"] for r in read_jsonl(out)}), 30, "webhook caught up")
         assert agent.terminate(timeout=30) == 0

@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 import orjson
 
 from forwarder.imds.differ import (
-    CANCELED, CANCELED_BEFORE_NOT_BEFORE, COMPLETED, ENDED, GONE_AFTER_NOT_BEFORE, SCHEDULED,
+    CANCELED, COMPLETED, GONE_BEFORE_NOT_BEFORE, ENDED, GONE_AFTER_NOT_BEFORE, SCHEDULED,
     STARTED, UPDATED, diff,
 )
 from forwarder.imds.document import parse_document
@@ -87,7 +87,7 @@ def test_status_change_is_one_started_listing_other_fields():
 def test_removal_while_scheduled_is_canceled_with_reason():
     before_nb = diff(doc(1, ev("a")), doc(2), NOW)
     assert kinds(before_nb) == [(CANCELED, "a")]
-    assert before_nb[0].removal_reason == CANCELED_BEFORE_NOT_BEFORE
+    assert before_nb[0].removal_reason == GONE_BEFORE_NOT_BEFORE == "gone_before_notbefore"
     after_nb = diff(doc(1, ev("a")), doc(2), datetime(2022, 4, 12, tzinfo=timezone.utc))
     assert after_nb[0].removal_reason == GONE_AFTER_NOT_BEFORE
 

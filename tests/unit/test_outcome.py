@@ -71,11 +71,13 @@ def test_incarnation_jump_while_due_is_completed() -> None:
     assert change.kind == COMPLETED and change.outcome.used == (INCARNATION_JUMP,)
 
 
-def test_jump_explained_by_other_visible_changes_is_no_jump() -> None:
+def test_a_jump_is_never_explained_away_by_other_visible_changes() -> None:
+    """2 -> 4 adding one event and removing another: one document step can hold both changes, so
+    a document was unseen (it may have shown the removed event Started): no cancel (issue 20)."""
     other = ev(event_id="OTHER")
     changes = diff(doc(2, ev()), doc(4, other), GONE_AT, EvidenceContext(now=GONE_AT, vm_names=THIS_VM))
     (gone,) = [c for c in changes if c.event.event_id == EVENT_ID]
-    assert gone.kind == CANCELED and gone.outcome.facts["UnseenStates"] == 0
+    assert gone.kind == GONE and gone.outcome.facts["UnseenStates"] == 1
 
 
 def test_reboot_while_started_is_completed_with_both_pieces_of_evidence() -> None:
@@ -112,7 +114,44 @@ def test_cancellation_well_before_not_before_is_canceled_with_its_evidence() -> 
     change = ended(doc(2, ev()), doc(3), EvidenceContext(now=GONE_AT, vm_names=THIS_VM))
     assert change.kind == CANCELED
     assert change.outcome.used == (GONE_BEFORE_NOT_BEFORE, NO_APPROVAL, NO_UNSEEN_STATES, NO_REBOOT)
-    assert change.removal_reason == "canceled_before_notbefore"
+    assert change.removal_reason == "gone_before_notbefore"
+
+
+def test_no_removal_reason_contradicts_the_outcome() -> None:
+    """Issue 20, item 9: RemovalReason names where the event was, never a conclusion."""
+    approved = EvidenceContext(now=GONE_AT, approvals={EVENT_ID.lower(): APPROVED_AT}, vm_names=THIS_VM)
+    completed = ended(doc(2, ev()), doc(3), approved)
+    unknown = ended(doc(2, ev()), doc(3), EvidenceContext(now=GONE_AT, rebooted=None))
+    assert (completed.kind, unknown.kind) == (COMPLETED, GONE)
+    for change in (completed, unknown):
+        assert change.removal_reason == "gone_before_notbefore" and "cancel" not in change.removal_reason
+
+
+def test_one_step_that_removes_an_event_and_updates_another_after_a_hidden_started_is_no_cancel() -> None:
+    """Issue 20, item 2: 2 -> 4 hides a document (A Started, approved by another VM); the step to 4
+    removes A and updates B: two visible changes, yet one document was never seen."""
+    other = ev(event_id="B0000000-0000-0000-0000-00000000000B")
+    moved = {**other, "NotBefore": "Thu, 22 Jul 2021 05:10:17 GMT"}
+    ctx = EvidenceContext(now=GONE_AT, vm_names=THIS_VM)
+    changes = diff(doc(2, ev(), other), doc(4, moved), GONE_AT, ctx)
+    gone = [c for c in changes if c.outcome is not None]
+    assert [c.kind for c in changes if c.outcome is None] == ["updated"]
+    assert len(gone) == 1 and gone[0].kind == GONE and gone[0].outcome.outcome == UNKNOWN
+    assert gone[0].outcome.facts["UnseenStates"] == 1
+    # The same two changes in a step of exactly one: no document unseen, the cancel stands.
+    (one_step,) = [c for c in diff(doc(2, ev(), other), doc(3, moved), GONE_AT, ctx) if c.outcome is not None]
+    assert one_step.kind == CANCELED and one_step.outcome.facts["UnseenStates"] == 0
+
+
+def test_a_step_larger_than_one_means_unseen_documents_whatever_changed() -> None:
+    ctx = EvidenceContext(now=GONE_AT, vm_names=THIS_VM)
+    many = [ev(event_id=f"{i:08d}-0000-0000-0000-000000000000") for i in range(5)]
+    # Five events gone in a step of 3: no count of visible changes explains the unseen documents away.
+    changes = diff(doc(2, *many), doc(5), GONE_AT, ctx)
+    assert {c.kind for c in changes} == {GONE} and {c.outcome.facts["UnseenStates"] for c in changes} == {2}
+    # The incarnation did not move although the document changed: nothing can be told.
+    (same,) = diff(doc(2, ev()), doc(2), GONE_AT, ctx)
+    assert same.kind == GONE and same.outcome.facts["UnseenStates"] is None
 
 
 def test_no_cancel_without_knowing_enough() -> None:

@@ -59,14 +59,19 @@ def test_retry_after_wins_over_jitter_even_beyond_maximum() -> None:
     backoff = Backoff(initial=1, maximum=10, retry_after_cap=300)
     rng = random.Random(5)
     assert backoff.delay(0, rng, retry_after=42.0) == 42.0  # above `maximum`: the server knows best
-    assert backoff.delay(9, rng, retry_after=0.25) == 0.25  # below the jitter ceiling: honoured too
-    assert backoff.delay(0, rng, retry_after=0.0) == 0.0
+    assert backoff.delay(9, rng, retry_after=2.5) == 2.5  # below the jitter ceiling: honoured too
+
+
+def test_retry_after_never_shortens_the_wait_below_initial() -> None:
+    backoff = Backoff(initial=1, maximum=10, retry_after_cap=300)
+    assert backoff.delay(9, random.Random(5), retry_after=0.25) == 1  # (issue 20: no hot loop)
+    assert backoff.delay(0, retry_after=0.0) == 1
 
 
 def test_retry_after_is_capped_and_never_negative() -> None:
     backoff = Backoff(retry_after_cap=30)
     assert backoff.delay(0, retry_after=3600) == 30
-    assert backoff.delay(0, retry_after=-5) == 0
+    assert backoff.delay(0, retry_after=-5) == backoff.initial
     assert Backoff().delay(0, retry_after=10_000) == 300  # default cap
 
 
