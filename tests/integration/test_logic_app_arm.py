@@ -1,67 +1,93 @@
-"""The Logic App's ARM approval branch (deploy/consumers/logic-app/workflow.json, ``Arm_target`` and
-``Approve_via_ARM``), run by the Workflow Definition Language interpreter of test_deploy_fold on
-records from sefwd's own record factory (signed with the VM's own record key, as a fleet with
-remote approval runs: the branch must accept the ``sefwdauth`` attribute it cannot verify), and the
-acknowledgement it builds sent to the emulator's ARM side with a managed-identity token: the guard
-lets a record name only its own VM as the target."""
+"""The Logic App's ARM approval branch (deploy/consumers/logic-app/workflow.json, ``Approve_via_ARM``)
+end to end, with the real remote-approver Function code behind it: the workflow's own expressions
+(the Workflow Definition Language interpreter of test_deploy_fold) build the request of
+``Ask_the_remote_approver`` from a record as the hub delivers it; that request goes to the
+Function's ``sefwd_approve`` handler (as the Functions host indexes it) with APPROVAL_ROUTE=arm,
+which verifies the record's ``sefwdauth``, decides with the same code as its Event Hubs trigger
+and acknowledges on the emulator's ARM side with its managed identity; the workflow then shows the
+Function's answer. Abuse first: a stream sender without the VM's record key gets no ARM request
+sent, whatever the record claims; the workflow itself never builds an ARM request."""
 from __future__ import annotations
 
+import base64
+import json
+import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import orjson
 import pytest
-import requests
 
 from forwarder.common.fleet_keys import RECORD_PURPOSE, derive_key
+from forwarder.common.record_auth import sign_record
 from forwarder.imds.differ import diff
 from forwarder.imds.document import parse_document
 from forwarder.imds.identity import VmIdentity
 from forwarder.records import RecordFactory
 from tests.arm import ArmCerts, arm_certs, arm_emulator, event_status
-from tests.fleet import MASTER
+from tests.fleet import MASTER, MASTER_SECRET, function_handlers
 from tests.unit.test_deploy_fold import PARAMETERS, LogicApp, Run, Table, _workflow
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.skipif(
+    __import__("importlib").util.find_spec("azure.functions") is None, reason="azure-functions missing")]
+
+APPROVER_URL = "https://approver.example/api/approve"
+FUNCTION_KEY = "the-function-key"
 
 
-def run_for(record: dict[str, Any], **parameters: Any) -> Run:
-    run = LogicApp(Table()).start(record)
-    run.parameters = {**PARAMETERS, "approveViaArm": True, "armEndpoint": "https://arm.example",
-                      "armAudience": "https://management.azure.com/", **parameters}
-    run.functions.update({
-        "contains": lambda a, b: b in a, "toLower": lambda s: s.lower(), "startsWith": lambda a, b: a.startswith(b),
-        "substring": lambda s, start, length: s[start:start + length], "lastIndexOf": lambda s, x: s.rfind(x),
-        "split": lambda s, sep: s.split(sep), "length": len, "concat": lambda *xs: "".join(str(x) for x in xs),
-        "workflow": lambda: {"run": {"name": "run-1"}}, "encodeUriComponent": lambda s: quote(str(s), safe=""),
-    })
-    actions = _workflow()["definition"]["actions"]
-    for name in ("Source_parts", "Arm_target"):
-        run.outputs[name] = run.value(actions[name]["inputs"])
+def branch() -> dict[str, Any]:
+    return dict(_workflow()["definition"]["actions"]["Approve_via_ARM"])
+
+
+def run_for(record: dict[str, Any] | bytes, **parameters: Any) -> Run:
+    """A run of the workflow for one Event Hubs message carrying ``record`` (or raw bytes)."""
+    body = record if isinstance(record, bytes) else orjson.dumps(record)
+    run = LogicApp(Table()).start({})
+    run.trigger_body = {"ContentData": base64.b64encode(body).decode()}
+    run.outputs["Record"] = run.value(_workflow()["definition"]["actions"]["Record"]["inputs"])
+    run.parameters = {**PARAMETERS, "approveViaArm": True, "approverUrl": APPROVER_URL,
+                      "approverFunctionKey": FUNCTION_KEY, **parameters}
     return run
 
 
-def approves(run: Run) -> bool:
-    return run.condition(_workflow()["definition"]["actions"]["Approve_via_ARM"]["expression"])
+def asks(run: Run) -> bool:
+    return run.condition(branch()["expression"])
 
 
-def ack_uri(run: Run) -> str:
-    branch = _workflow()["definition"]["actions"]["Approve_via_ARM"]["actions"]
-    inputs = run.value(branch["Acknowledge_through_ARM"]["inputs"])
-    assert inputs["method"] == "POST" and inputs["authentication"]["type"] == "ManagedServiceIdentity"
-    assert inputs["authentication"]["audience"] == "https://management.azure.com/"
-    return str(inputs["uri"])
+def through_the_workflow(record: dict[str, Any] | bytes, **parameters: Any) -> dict[str, Any] | None:
+    """The branch as Logic Apps runs it, its HTTP action delivered to the Function's own handler;
+    the ``Approval_outcome`` the run shows (None when the branch does not run)."""
+    import azure.functions as func
+
+    run = run_for(record, **parameters)
+    if not asks(run):
+        return None
+    actions = branch()["actions"]
+    ask = actions["Ask_the_remote_approver"]
+    inputs = run.value(ask["inputs"])
+    assert ask["runtimeConfiguration"] == {"secureData": {"properties": ["inputs"]}}  # the key stays out of run history
+    assert inputs["method"] == "POST" and inputs["uri"] == APPROVER_URL
+    assert inputs["headers"]["x-functions-key"] == FUNCTION_KEY  # the host checks it (AuthLevel.FUNCTION)
+    response = function_handlers()["sefwd_approve"](func.HttpRequest(
+        inputs["method"], inputs["uri"], headers=inputs["headers"], body=inputs["body"].encode()))
+    assert response.status_code == 200, response.get_body()
+    run.bodies["Ask_the_remote_approver"] = json.loads(response.get_body())
+    run.outputs["Approval_outcome"] = run.value(actions["Approval_outcome"]["inputs"])
+    outcome: dict[str, Any] = run.outputs["Approval_outcome"]
+    assert run.condition(actions["Approval_failed"]["expression"]) == (outcome["decision"] == "failed")
+    return outcome
 
 
-def scheduled(identity: dict[str, Any], event_id: str, resources: list[str], source: str = "User") -> dict[str, Any]:
-    """The scheduledevent.scheduled record the agent of this VM writes (its first poll)."""
+def scheduled(identity: dict[str, Any], event_id: str, resources: list[str], source: str = "User",
+              signer: str | None = None) -> dict[str, Any]:
+    """The scheduledevent.scheduled record the agent of this VM writes (its first poll), signed with
+    the record key of ``signer`` (a resource ID; default the VM's own)."""
     doc = parse_document(orjson.dumps({"DocumentIncarnation": 1, "Events": [{
         "EventId": event_id, "EventStatus": "Scheduled", "EventType": "Reboot", "ResourceType": "VirtualMachine",
         "Resources": resources, "NotBefore": "Tue, 24 Nov 2026 12:00:00 GMT", "Description": "",
         "EventSource": source, "DurationInSeconds": -1}]}))
     vm = VmIdentity.from_compute(identity)
-    key = derive_key(MASTER, RECORD_PURPOSE, identity["resourceId"])
+    key = derive_key(MASTER, RECORD_PURPOSE, signer or identity["resourceId"])
     (record,) = RecordFactory(vm, "2020-07-01", key=key).for_changes(diff(None, doc, doc.events[0].not_before), doc)  # type: ignore[arg-type]
     signed = record.to_dict()
     assert signed["sefwdauth"].startswith("v1,")
@@ -73,59 +99,90 @@ def certs(tmp_path: Path) -> ArmCerts:
     return arm_certs(tmp_path / "tls")
 
 
-def test_the_workflow_acknowledges_a_vm_and_a_scale_set_instance_on_the_emulator(certs):
-    with arm_emulator(certs, vms=["vm-a", {"name": "ss_3", "vm_scale_set_name": "ss"}]) as emu:
+@pytest.fixture
+def function_app_on_arm(tmp_path: Path, certs: ArmCerts, monkeypatch: pytest.MonkeyPatch):
+    """The Function's app settings for the ARM route against ``emu``; its identity from the emulator."""
+    import function_app
+
+    for name in [n for n in os.environ if n.startswith(("AZURE_", "IDENTITY_", "MSI_"))]:
+        monkeypatch.delenv(name)
+
+    def configure(emu: Any) -> None:
+        for name, value in {"APPROVAL_ROUTE": "arm", "ARM_ENDPOINT": emu.arm_url, "ARM_CA_BUNDLE": str(certs.ca),
+                            "ARM_RETRIES": "1", "SEFWD_MASTER_SECRET": MASTER_SECRET,
+                            "AZURE_POD_IDENTITY_AUTHORITY_HOST": emu.url,
+                            "SEEN_RECORDS_PATH": str(tmp_path / "seen.db")}.items():
+            monkeypatch.setenv(name, value)
+        function_app.get_approver.cache_clear()
+    yield configure
+    function_app.get_approver.cache_clear()
+
+
+def test_forged_unsigned_or_other_vm_records_through_the_logic_app_reach_no_arm(certs, function_app_on_arm):
+    """Abuse: a stream sender (any VM with Data Sender, or a process using its identity) without
+    vm-a's record key tries to get vm-a's event approved through the Logic App."""
+    with arm_emulator(certs, vms=["vm-a", "vm-b"]) as emu:
+        function_app_on_arm(emu)
         vms = emu.stats()["vms"]
-        token = requests.get(f"{emu.url}/metadata/identity/oauth2/token", headers={"Metadata": "true"}, timeout=5,
-                             params={"api-version": "2018-02-01", "resource": "https://management.azure.com/"}).json()
-        for vm in ("vm-a", "ss_3"):
-            event = emu.schedule(resources=[vm], source="User", type="Reboot")
-            run = run_for(scheduled(vms[vm], event, [vm]), armEndpoint=emu.arm_url)
-            assert approves(run), vm
-            uri = ack_uri(run)
-            if vm == "ss_3":
-                assert "/virtualMachineScaleSets/ss/providers/Microsoft.Maintenance/" in uri
-            answer = requests.post(uri, headers={"Authorization": f"Bearer {token['access_token']}"},
-                                   verify=str(certs.ca), timeout=5)
-            assert answer.status_code == 200 and answer.json() == {"value": "Successfully Approved"}
+        event = emu.schedule(resources=["vm-a"], source="Platform", type="Reboot", start_after=900)
+        genuine = scheduled(vms["vm-a"], event, ["vm-a"], source="Platform")  # the policy would skip it
+        unsigned = dict({k: v for k, v in genuine.items() if k != "sefwdauth"}, data=dict(genuine["data"], EventSource="User"))
+        claimed = dict(genuine, data=dict(genuine["data"], EventSource="User"))  # a claim changed after signing
+        by_b = scheduled(vms["vm-a"], event, ["vm-a"], signer=vms["vm-b"]["resourceId"])  # vm-b's key, vm-a's source
+        other_fleet = sign_record(derive_key(b"another-fleet-master-secret!", RECORD_PURPOSE, vms["vm-a"]["resourceId"]),
+                                  unsigned)
+        tricks = []
+        for bad in ("/../vm-a", "?x=1", "#f", "%2Fvm-a"):  # vm-b's own key, a source that reaches vm-a
+            trick = scheduled(vms["vm-b"], event, ["vm-a"])
+            trick["source"] += bad
+            tricks.append(trick)
+        for record in (unsigned, claimed, by_b, other_fleet, *tricks):
+            outcome = through_the_workflow(record)
+            assert outcome is not None and (outcome["decision"], outcome["reason"]) == ("untrusted", "unauthenticated")
+            assert "vm" not in outcome and "target" not in outcome
+        # vm-b's own genuine record about vm-a's event: vm-b speaks only for itself.
+        outcome = through_the_workflow(scheduled(vms["vm-b"], event, ["vm-a"], source="User"))
+        assert outcome is not None and (outcome["decision"], outcome["reason"]) == ("skip", "not_this_vm")
+        assert outcome["vm"] == vms["vm-b"]["resourceId"]  # the authenticated identity, reported back
+        assert emu.stats()["arm_requests"] == [] and emu.stats()["start_requests"] == []
+        assert event_status(emu, event) == "Scheduled"
+
+
+def test_a_genuine_record_through_the_logic_app_is_approved_once_on_its_own_vm(certs, function_app_on_arm):
+    with arm_emulator(certs, vms=["vm-a", {"name": "ss_3", "vm_scale_set_name": "ss"}]) as emu:
+        function_app_on_arm(emu)
+        vms = emu.stats()["vms"]
+        for vm, target in (("vm-a", "virtualMachines/vm-a"), ("ss_3", "virtualMachineScaleSets/ss")):
+            event = emu.schedule(resources=[vm], source="User", type="Reboot", start_after=900)
+            genuine = scheduled(vms[vm], event, [vm])
+            outcome = through_the_workflow(genuine)
+            assert outcome is not None and (outcome["decision"], outcome["reason"]) == ("approved", "user_initiated")
+            assert (outcome["vm"], outcome["target"], outcome["http_status"]) == (vms[vm]["resourceId"], target, 200)
             assert event_status(emu, event) == "Started"
+            # The same message again (a second consumer run, a resubmitted run, a replay): acted on once.
+            again = through_the_workflow(genuine)
+            assert again is not None and again["decision"] == "replayed"
+            assert [r["status"] for r in emu.stats()["arm_requests"] if event in r["path"]] == [200]
+        assert [(p["via"], p["vm"]) for p in emu.stats()["start_requests"]] == [("arm", "vm-a"), ("arm", "ss_3")]
 
 
-def test_the_guard_lets_a_vm_speak_only_for_itself():
+def test_the_branch_is_opt_in_and_never_builds_an_arm_request_itself():
     identity = {"vmId": "1", "name": "vm-a", "resourceId":
                 "/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm-a"}
     good = scheduled(identity, "E1", ["vm-a"])
-    assert approves(run_for(good))
-    assert not approves(run_for(good, approveViaArm=False))  # opt-in
-    assert not approves(run_for(scheduled(identity, "E1", ["vm-b"])))  # not this VM's event (AffectsThisVm false)
-    assert not approves(run_for(scheduled(identity, "E1", ["vm-a"], source="Platform")))  # the policy: user-initiated
-    claims = dict(good, source=good["source"].replace("vm-a", "vm-b"))
-    assert not approves(run_for(claims))  # source and data.Vm disagree
-    for bad in ("/../vm-b", "?x=1", "#f", "%2Fvm-b", "/virtualMachines/vm-b", " x"):
-        forged = dict(good, source=good["source"] + bad)
-        forged["data"] = dict(good["data"], Vm=dict(good["data"]["Vm"], ResourceId=forged["source"]))
-        assert not approves(run_for(forged)), bad
-    base = "/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/"
-    for rid in (base + "disks/vm-a", base + "virtualMachineScaleSets/vm-a", base + "virtualMachines/",
-                base.replace("/rg/", "//") + "virtualMachines/vm-a", base + "virtualMachineScaleSets/ss/virtualMachines/",
-                base.replace("Microsoft.Compute", "Microsoft.Storage") + "virtualMachines/vm-a"):
-        assert not approves(run_for(scheduled(dict(identity, resourceId=rid), "E1", ["vm-a"]))), rid
-    assert ack_uri(run_for(scheduled(identity, "E/../1", ["vm-a"]))).endswith(
-        "/virtualMachines/vm-a/providers/Microsoft.Maintenance/scheduledevents/E%2F..%2F1/acknowledge"
-        "?api-version=2023-10-01-preview")
-
-
-def test_the_approval_is_claimed_once_and_released_on_failure():
-    branch = _workflow()["definition"]["actions"]["Approve_via_ARM"]["actions"]
-    assert branch["Claim_approval"]["retryPolicy"] == {"type": "none"}
-    assert branch["Acknowledge_through_ARM"]["runAfter"] == {"Claim_approval": ["Succeeded"]}
-    assert branch["Release_approval_claim"]["runAfter"] == {"Acknowledge_through_ARM": ["Failed", "TimedOut"]}
-    identity = {"name": "vm-a", "resourceId": "/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm-a"}
-    run = run_for(scheduled(identity, "E1", ["vm-a"]))
-    claim = run.value(branch["Claim_approval"]["inputs"])
-    table = Table()
-    assert table.request("POST", claim["uri"].replace("acct.table.core.windows.net/outcomes", "acct.table.core.windows.net/outcomes"),
-                         claim["headers"], claim["body"])[0] == 204
-    assert table.request("POST", claim["uri"], claim["headers"], claim["body"])[0] == 409  # another copy
-    release = run.value(branch["Release_approval_claim"]["inputs"])
-    assert release["uri"].endswith("(PartitionKey='E1',RowKey='E1%3Aarm-approval')") and release["method"] == "DELETE"
+    assert asks(run_for(good))
+    assert asks(run_for(dict(good, type="scheduledevent.updated")))
+    assert not asks(run_for(good, approveViaArm=False))  # opt-in
+    assert not asks(run_for(dict(good, type="scheduledevent.started")))  # nothing to decide: no call
+    # The record goes to the Function byte for byte (the bytes its sefwdauth covers), never re-serialized.
+    raw = b'{"type": "scheduledevent.scheduled",  "id": "x"}'
+    inputs = run_for(raw).value(branch()["actions"]["Ask_the_remote_approver"]["inputs"])
+    assert inputs["body"] == raw.decode()
+    # No action of the workflow talks to ARM or acknowledges anything: only the Function does.
+    text = json.dumps(_workflow()["definition"])
+    for needle in ("Microsoft.Maintenance", "acknowledge?", "//management.azure.com", "armEndpoint", "Arm_target"):
+        assert needle not in text, needle
+    actions = branch()["actions"]
+    assert set(actions) == {"Ask_the_remote_approver", "Approval_outcome", "Approval_failed"}
+    assert actions["Ask_the_remote_approver"]["inputs"]["uri"] == "@parameters('approverUrl')"
+    assert _workflow()["definition"]["parameters"]["approverFunctionKey"]["type"] == "SecureString"

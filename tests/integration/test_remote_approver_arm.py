@@ -306,3 +306,50 @@ def test_the_event_hubs_trigger_on_the_arm_route_acts_only_on_authenticated_reco
             assert event_status(emu, mine) == "Started" and event_status(emu, event) == "Scheduled"
         finally:
             function_app.get_approver.cache_clear()
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("azure.functions") is None, reason="azure-functions missing")
+def test_the_approve_endpoint_decides_exactly_like_the_event_hubs_trigger(tmp_path, certs, identity, monkeypatch):
+    """``sefwd_approve`` (the Logic App's way in, function key): the caller is not trusted for the
+    records; they go through the same approver, replay cache included, as the Event Hubs trigger's."""
+    import json
+
+    import azure.functions as func
+    import function_app
+
+    def post(body: bytes, content_type: str = "application/json") -> tuple[int, dict[str, Any]]:
+        response = function_handlers()["sefwd_approve"](func.HttpRequest(
+            "POST", "https://approver.example/api/approve", headers={"Content-Type": content_type}, body=body))
+        return response.status_code, json.loads(response.get_body())
+
+    with arm_emulator(certs, vms=["vm-a", "vm-b"]) as emu:
+        identity(emu)
+        monkeypatch.delenv("SEFWD_MASTER_SECRET", raising=False)
+        function_app.get_approver.cache_clear()
+        try:
+            assert post(b"{}") == (500, {"error": "misconfigured"})  # no master: nothing is decided at all
+            for name, value in {"APPROVAL_ROUTE": "arm", "ARM_ENDPOINT": emu.arm_url, "ARM_CA_BUNDLE": str(certs.ca),
+                                "SEFWD_MASTER_SECRET": MASTER_SECRET,
+                                "SEEN_RECORDS_PATH": str(tmp_path / "seen.db")}.items():
+                monkeypatch.setenv(name, value)
+            function_app.get_approver.cache_clear()
+            assert post(b"not json")[0] == 400 and post(b"[1]")[0] == 400
+            assert post(b"{}", "text/plain")[0] == 415
+            mine = emu.schedule(type="Reboot", source="User", resources=["vm-a"], start_after=900)
+            forged = [scheduled_record(emu, "vm-a", mine, ["vm-a"], signer="vm-b"),
+                      scheduled_record(emu, "vm-a", mine, ["vm-a"], signer="")]
+            status, answer = post(json.dumps(forged).encode())
+            assert status == 200 and [(o["decision"], o["reason"]) for o in answer["outcomes"]] == [
+                ("untrusted", "unauthenticated")] * 2
+            assert emu.stats()["arm_requests"] == [] and event_status(emu, mine) == "Scheduled"
+            genuine = scheduled_record(emu, "vm-a", mine, ["vm-a"])
+            status, answer = post(json.dumps(genuine).encode(), "application/cloudevents+json")
+            (outcome,) = answer["outcomes"]
+            assert (status, outcome["decision"], outcome["vm"], outcome["target"]) == (
+                200, "approved", resource_id(emu, "vm-a"), "virtualMachines/vm-a")
+            # The same record from the hub afterwards (the Function's own trigger): the same cache, acted on once.
+            function_handlers()["sefwd_eventhub"]([func.EventHubEvent(body=json.dumps(genuine).encode())])
+            assert [(r["status"], mine in r["path"]) for r in emu.stats()["arm_requests"]] == [(200, True)]
+            assert event_status(emu, mine) == "Started"
+        finally:
+            function_app.get_approver.cache_clear()

@@ -9,11 +9,13 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Callable
+from typing import Any
 
 import azure.functions as func
 
 import arm_route
-from pipeline import RemoteApprover, Settings, handle_webhook, records_from_event_bodies
+from pipeline import RemoteApprover, Settings, handle_records_request, handle_webhook, records_from_event_bodies
 
 app = func.FunctionApp()
 
@@ -45,14 +47,32 @@ def sefwd_eventhub(events: list[func.EventHubEvent]) -> None:
     get_approver().handle_many(records)
 
 
-@app.function_name("sefwd_webhook")
-@app.route(route="sefwd", methods=["POST"], auth_level=func.AuthLevel.FUNCTION)
-def sefwd_webhook(req: func.HttpRequest) -> func.HttpResponse:
-    """The sefwd webhook sink posts here (Standard Webhooks signed, SEFWD_WEBHOOK_SECRET)."""
+def _answer(handler: Callable[[RemoteApprover, bytes, dict[str, str]], tuple[int, dict[str, Any]]],
+            req: func.HttpRequest) -> func.HttpResponse:
     try:
         approver = get_approver()
     except ValueError as exc:
         logging.error("%s", exc)
         return func.HttpResponse(json.dumps({"error": "misconfigured"}), status_code=500, mimetype="application/json")
-    status, answer = handle_webhook(approver, req.get_body(), dict(req.headers))
+    status, answer = handler(approver, req.get_body(), dict(req.headers))
     return func.HttpResponse(json.dumps(answer), status_code=status, mimetype="application/json")
+
+
+@app.function_name("sefwd_webhook")
+@app.route(route="sefwd", methods=["POST"], auth_level=func.AuthLevel.FUNCTION)
+def sefwd_webhook(req: func.HttpRequest) -> func.HttpResponse:
+    """The sefwd webhook sink posts here (Standard Webhooks signed, SEFWD_WEBHOOK_SECRET)."""
+    return _answer(handle_webhook, req)
+
+
+@app.function_name("sefwd_approve")
+@app.route(route="approve", methods=["POST"], auth_level=func.AuthLevel.FUNCTION)
+def sefwd_approve(req: func.HttpRequest) -> func.HttpResponse:
+    """The Logic App's approval branch posts each record here (function key) and renders the answer.
+
+    The caller is not trusted for the records: they are decided exactly like the Event Hubs
+    trigger's (get_approver().handle_many: a valid sefwdauth, the replay cache, the VM named in the
+    event and its leader), and approved through this app's route (APPROVAL_ROUTE=arm: ARM with this
+    app's identity). The answer: {"received", "outcomes": [{"decision", "reason", "vm", "target", ...}]}.
+    """
+    return _answer(handle_records_request, req)

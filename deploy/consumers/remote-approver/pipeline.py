@@ -404,6 +404,20 @@ def handle_webhook(approver: RemoteApprover, body: bytes, headers: Mapping[str, 
     if not verify_webhook(body, headers, approver.settings.webhook_secrets):
         log.warning("webhook request refused: bad or missing Standard Webhooks signature")
         return 401, {"error": "bad_signature"}
+    return handle_records_request(approver, body, headers)
+
+
+def handle_records_request(approver: RemoteApprover, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
+    """Records posted by a caller the Functions host authenticated (the webhook after its signature
+    check; the Logic App with the function key on ``approve``) -> (HTTP status, JSON answer).
+
+    The caller is never trusted for the records: each is decided by ``approver.handle_many``, the
+    same code the Event Hubs trigger runs, so only records whose ``sefwdauth`` verifies act, each
+    once. The answer holds one outcome per record: ``decision``, ``reason``, and for an
+    authenticated record ``vm`` (the resource ID its key was derived for) and ``target``.
+    """
+    if len(body) > MAX_WEBHOOK_BODY:
+        return 413, {"error": "body_too_large"}
     content_type = next((v for k, v in headers.items() if k.lower() == "content-type"), "")
     try:
         records = parse_records(body, content_type)
@@ -412,8 +426,9 @@ def handle_webhook(approver: RemoteApprover, body: bytes, headers: Mapping[str, 
     except ValueError as exc:
         return 400, {"error": "malformed_body", "detail": str(exc)}
     # Always 200 for a valid request, even when an approval failed: a non-2xx would make the sink
-    # retry and stall this VM's record stream behind an approver problem. Failures are logged,
-    # and the next copy of the record (from another VM, or a later update) gets another chance.
+    # retry and stall this VM's record stream behind an approver problem. Failures are logged and
+    # in the answer, and the next copy of the record (from another VM, or a later update) gets
+    # another chance.
     outcomes = approver.handle_many(records)
     return 200, {"received": len(records), "outcomes": outcomes}
 
