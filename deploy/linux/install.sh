@@ -230,8 +230,18 @@ say "pip install $(printf '%s' "$REQUIREMENT" | redact)"
 # --upgrade: a re-run with a PyPI source moves to the newest release; local sources always reinstall.
 # The index URL (with its token) goes to pip in its environment, never as an argument; whatever pip
 # prints goes through redact (pip hides a password, not a query).
+# A user:token@ in the index URL goes into a netrc file instead: pip hands its index URL to the
+# pip it starts for build dependencies on that one's command line.
+if [[ "$INDEX_URL" =~ ^([A-Za-z0-9+.-]+://)([^/?#@:]*:[^/?#@]*)@([^/?#:]+)(.*)$ ]]; then
+    userinfo="${BASH_REMATCH[2]//%/\\x}"  # percent-escapes decoded by printf %b
+    (umask 077; printf 'machine %s login %s password %s\n' "${BASH_REMATCH[3]}" \
+        "$(printf '%b' "${userinfo%%:*}")" "$(printf '%b' "${userinfo#*:}")" >"$WORK/netrc")
+    INDEX_URL="${BASH_REMATCH[1]}${BASH_REMATCH[3]}${BASH_REMATCH[4]}"
+    NETRC_FILE="$WORK/netrc"
+fi
 (
     [ -z "$INDEX_URL" ] || export PIP_INDEX_URL="$INDEX_URL"
+    [ -z "${NETRC_FILE:-}" ] || export NETRC="$NETRC_FILE"
     exec "$VENV/bin/python" -m pip install --no-input --disable-pip-version-check --progress-bar off --upgrade "$REQUIREMENT"
 ) 2>&1 | redact || die "pip install failed (the VM needs access to the package index, or pass a wheel with --source)"
 "$VENV/bin/sefwd" --help >/dev/null || die "the installed $VENV/bin/sefwd does not run"

@@ -32,15 +32,19 @@ TOKEN = "tok3n-SECRET-7d1f0c"
 WHEEL = "scheduled_events_forwarder-0.0.1-py3-none-any.whl"
 
 
-def dummy_wheel() -> bytes:
+HELPER = "sefwd_build_helper-1.0-py3-none-any.whl"
+
+
+def dummy_wheel(name: str = "scheduled-events-forwarder", version: str = "0.0.1") -> bytes:
     """A wheel named like the project whose ``sefwd --help`` runs (what install.sh checks)."""
-    dist = "scheduled_events_forwarder-0.0.1.dist-info"
+    dist = f"{name.replace('-', '_')}-{version}.dist-info"
     files = {
-        "sefwd_dummy.py": "def main():\n    print('sefwd dummy')\n",
-        f"{dist}/METADATA": "Metadata-Version: 2.1\nName: scheduled-events-forwarder\nVersion: 0.0.1\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-        f"{dist}/entry_points.txt": "[console_scripts]\nsefwd = sefwd_dummy:main\n",
     }
+    if name == "scheduled-events-forwarder":
+        files["sefwd_dummy.py"] = "def main():\n    print('sefwd dummy')\n"
+        files[f"{dist}/entry_points.txt"] = "[console_scripts]\nsefwd = sefwd_dummy:main\n"
     record = []
     for name, text in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
@@ -59,7 +63,7 @@ class Index:
     password or ``sig=`` query). The wheel's download waits until ``release`` is set."""
 
     def __init__(self) -> None:
-        self.wheel = dummy_wheel()
+        self.files = {WHEEL: dummy_wheel(), HELPER: dummy_wheel("sefwd-build-helper", "1.0")}
         self.release = threading.Event()
         self.downloading = threading.Event()
         self.unauthorized = 0
@@ -80,13 +84,15 @@ class Index:
                     self.end_headers()
                     return
                 path = self.path.split("?", 1)[0]
-                if path.rstrip("/") == "/simple/scheduled-events-forwarder":
-                    body = f'<a href="/files/{WHEEL}">{WHEEL}</a>'.encode()
+                project = path.rstrip("/").removeprefix("/simple/")
+                wheel = {"scheduled-events-forwarder": WHEEL, "sefwd-build-helper": HELPER}.get(project)
+                if wheel is not None:
+                    body = f'<a href="/files/{wheel}">{wheel}</a>'.encode()
                     ctype = "text/html"
-                elif path == f"/files/{WHEEL}":
-                    index.downloading.set()
+                elif path.removeprefix("/files/") in index.files:
+                    index.downloading.set()  # the first download waits for the test's look at `ps`
                     index.release.wait(60)
-                    body, ctype = index.wheel, "application/octet-stream"
+                    body, ctype = index.files[path.removeprefix("/files/")], "application/octet-stream"
                 else:
                     self.send_response(404)
                     self.send_header("Content-Length", "0")
@@ -177,6 +183,35 @@ def test_an_index_url_with_a_token_stays_out_of_argv_output_and_files(tmp_path, 
     assert TOKEN not in res.stdout + res.stderr
     install_env = tmp_path / "root/opt/sefwd/install.env"
     assert stat.S_IMODE(install_env.stat().st_mode) == 0o644 and TOKEN not in install_env.read_text()
+    assert leaked_files(tmp_path / "root") == []
+
+
+BACKEND = f"""
+import base64, os
+WHEEL = {WHEEL!r}
+DATA = {{data!r}}
+def get_requires_for_build_wheel(config_settings=None):
+    return []
+def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
+    with open(os.path.join(wheel_directory, WHEEL), "wb") as f:
+        f.write(base64.b64decode(DATA))
+    return WHEEL
+"""
+
+
+def test_build_dependencies_from_a_private_index_keep_the_token_off_the_child_pips_command_line(tmp_path, index):
+    """pip installs build dependencies with a pip of its own, handing it the index URL as an
+    argument: the token must not be in that URL."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pyproject.toml").write_text('[build-system]\nrequires = ["sefwd-build-helper"]\n'
+                                        'build-backend = "backend"\nbackend-path = ["."]\n')
+    (src / "backend.py").write_text(BACKEND.format(data=base64.b64encode(index.files[WHEEL]).decode()))
+    url_file = secret_file(tmp_path / "index-url", f"http://build:{TOKEN}@{index.base}/simple/")
+    res, seen = run_install(tmp_path, index, "--source", str(src), "--index-url-file", str(url_file))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert index.downloading.is_set() and seen == [], seen
+    assert TOKEN not in res.stdout + res.stderr
     assert leaked_files(tmp_path / "root") == []
 
 
