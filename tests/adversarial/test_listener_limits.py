@@ -59,6 +59,17 @@ def closed_by_server(s: socket.socket) -> bool:
     return data == b"" or data.startswith(b"HTTP/")  # EOF, or an error answer before it
 
 
+def settled(socks: list[socket.socket], cap: int) -> None:
+    """Until the server has dealt with every connection: all but the ``cap`` it serves are closed."""
+    closed: set[int] = set()
+
+    def done() -> bool:
+        closed.update(i for i, s in enumerate(socks) if i not in closed and closed_by_server(s))
+        return len(closed) >= len(socks) - cap
+
+    wait_until(done, 60, "the connections over the cap to be closed")
+
+
 def get(url: str) -> int:
     with urllib.request.urlopen(url, timeout=5) as response:
         response.read()
@@ -83,7 +94,7 @@ def test_idle_half_sent_requests_against_metrics_hold_few_threads(tmp_path):
             baseline = threads_of(agent.proc.pid)
             host, port = base.removeprefix("http://").rsplit(":", 1)
             socks = open_half_requests(host, int(port), ATTACKERS)
-            time.sleep(0.5)  # not a synchronization: lets the accept loop catch up before counting
+            settled(socks, TELEMETRY_LIMITS.max_per_client)
             held = threads_of(agent.proc.pid) - baseline
             print(f"\nthreads held by {ATTACKERS} half-sent requests: {held} (cap per client "
                   f"{TELEMETRY_LIMITS.max_per_client}, total {TELEMETRY_LIMITS.max_connections})")
@@ -109,7 +120,7 @@ def test_the_emulator_bounds_idle_connections_too():
         host, port = emu.url.removeprefix("http://").rsplit(":", 1)
         socks = open_half_requests(host, int(port), ATTACKERS)
         try:
-            time.sleep(0.5)  # not a synchronization: lets the accept loop catch up before counting
+            settled(socks, limits.max_per_client)
             assert threading.active_count() - before <= limits.max_per_client + 2
             request = urllib.request.Request(emu.url + "/metadata/scheduledevents?api-version=2020-07-01",
                                              headers={"Metadata": "true"})
