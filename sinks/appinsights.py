@@ -33,7 +33,7 @@ from forwarder import __version__
 from forwarder.records import rfc3339, utcnow
 from forwarder.common.retry import parse_retry_after
 from forwarder.sinkapi import Record, Result, Retry, SinkContext
-from forwarder.common.connection_strings import appinsights_problems
+from forwarder.common.connection_strings import appinsights_problems, monitor_audience
 from forwarder.common.values import parse_duration
 from sinks import check_int_range, check_positive_duration, check_readable_file, unknown_options
 from sinks.azure_common import (
@@ -50,7 +50,8 @@ MAX_BATCH = 512
 DEFAULT_INGESTION_ENDPOINT = "https://dc.services.visualstudio.com"
 TRACK_PATH = "v2.1/track"
 # The Entra ID scope of the ingestion endpoint; the double slash is what the service expects
-# (the audience is "https://monitor.azure.com/"). A connection string's AADAudience replaces it.
+# (the audience is "https://monitor.azure.com/"). A connection string's AADAudience may name
+# another cloud's Azure Monitor audience (forwarder.common.connection_strings), never anything else.
 DEFAULT_SCOPE = "https://monitor.azure.com//.default"
 # Item and request statuses the service means as "later": the rest of the 4xx never change.
 RETRYABLE_ITEM_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -119,8 +120,14 @@ class ConnectionString:
         if parts.scheme != "https" or not parts.hostname:
             raise ValueError("the connection string's IngestionEndpoint must be an https:// URL")
         audience = fields.get("aadaudience")
-        scope = f"{audience.rstrip('/')}/.default" if audience else DEFAULT_SCOPE
+        scope = f"{monitor_audience(audience)}/.default" if audience else DEFAULT_SCOPE
         return cls(ikey, endpoint, scope)
+
+
+def _origin(url: str) -> str:
+    """``https://host:port`` of a URL (the port written out): what a redirect may not leave."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{(parts.hostname or '').lower()}:{parts.port or 443}"
 
 
 def _chunks(items: Sequence[Any]) -> Iterator[Sequence[Any]]:
@@ -152,6 +159,7 @@ class AppInsightsSink:
         assert text is not None  # check() made sure
         self._conn = ConnectionString.parse(text)
         self._track_url = urljoin(self._conn.ingestion_endpoint + "/", TRACK_PATH)
+        self._home = self._track_url  # redirects are followed on this origin only
         self.max_batch = int(options.get("batch_size", DEFAULT_BATCH))
         self._client = ServiceClient(self.name, options, scope=self._conn.scope, logger=log,
                                      timeout=parse_duration(options.get("timeout", DEFAULT_TIMEOUT)))
@@ -314,7 +322,16 @@ class AppInsightsSink:
             location = answer.headers.get("Location") if isinstance(answer, Answer) else None
             if isinstance(answer, Answer) and answer.status in (307, 308) and location \
                     and urlsplit(urljoin(url, location)).scheme == "https":
-                url = urljoin(url, location)
+                target = urljoin(url, location)
+                if _origin(target) != _origin(self._home):
+                    # The bearer token (and the records) go only where the connection string says.
+                    self._errors.log(logging.ERROR, "redirect", "sink %r: %s answered %d to another host (%s); "
+                                     "not followed: the managed-identity token and the records go only to the "
+                                     "connection string's IngestionEndpoint (put the new endpoint there if the "
+                                     "resource moved); will retry", self.name, _origin(url), answer.status,
+                                     _origin(target))
+                    return Retry(reason="redirect_to_another_host")
+                url = target
                 self._track_url = url  # the service moved this resource's ingestion: go there from now on
                 continue
             return answer

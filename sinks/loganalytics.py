@@ -37,6 +37,7 @@ from azure.core.exceptions import (
 )
 from azure.monitor.ingestion import LogsIngestionClient, LogsUploadError
 
+from forwarder.common.connection_strings import AZURE_MONITOR_AUDIENCES, monitor_audience
 from forwarder.common.logs import RateLimitedLog
 from forwarder.common.retry import parse_retry_after
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
@@ -143,6 +144,12 @@ class LogAnalyticsSink:
         audience = options.get("audience")
         if audience is not None and (not isinstance(audience, str) or not audience.strip().startswith("https://")):
             problems.append(f"option 'audience' must be an https:// URL like {DEFAULT_AUDIENCE}, got {audience!r}")
+        elif audience is not None:
+            try:  # a token for another service's audience is never requested
+                monitor_audience(audience)
+            except ValueError:
+                problems.append(f"option 'audience' must be one of Azure Monitor's audiences "
+                                f"({', '.join(AZURE_MONITOR_AUDIENCES)}), got {audience!r}")
         # The credential defaults to managed_identity here, so client_id alone is fine.
         problems += check_credential_options({"credential": "managed_identity", **options})
         problems += check_positive_duration(options, "timeout")

@@ -47,6 +47,7 @@ from forwarder.errors import ConfigError
 from forwarder.common.logs import RateLimitedLog, redact, short_reason
 from forwarder.common.retry import is_retryable_status, parse_retry_after
 from forwarder.common.signing import load_secret, sign_headers
+from sinks.azure_common import read_secret_text
 from forwarder.sinkapi import Ok, Record, Reject, Result, Retry, SinkContext
 from forwarder.common.values import parse_duration
 from sinks import check_bool, check_int_range, check_positive_duration, check_readable_file, unknown_options
@@ -104,10 +105,26 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _url_option(options: Mapping[str, Any]) -> tuple[str | None, list[str]]:
+    """The receiver URL, from ``url`` or (when it carries a key, e.g. a Logic App's ``sig=``) from
+    ``url_env`` / ``url_file``; (None, problems) when there is none usable. Never echoes a secret URL."""
+    given = [k for k in ("url", "url_env", "url_file") if options.get(k) is not None]
+    if len(given) > 1:
+        return None, [f"set only one of url, url_env and url_file (got {', '.join(given)})"]
+    if given == ["url"] or not given:
+        return options.get("url"), []
+    try:
+        return read_secret_text(options, "url"), []
+    except ValueError as exc:
+        return None, [str(exc)]
+
+
 def _check_url(options: Mapping[str, Any]) -> list[str]:
-    url = options.get("url")
+    url, problems = _url_option(options)
+    if problems:
+        return problems
     if url is None:
-        return ["option 'url' is required"]
+        return ["option 'url' is required (or url_env / url_file)"]
     if not isinstance(url, str) or not url.strip():
         return [f"option 'url' must be a non-empty string, got {url!r}"]
     try:
@@ -121,7 +138,7 @@ def _check_url(options: Mapping[str, Any]) -> list[str]:
     if not host:
         return ["option 'url' has no host"]
     if parts.username is not None or parts.password is not None:
-        return ["option 'url' must not carry credentials: put them in 'headers' (never logged)"]
+        return ["option 'url' must not carry credentials: put them in 'headers_env' or 'headers_file' (never logged)"]
     if parts.scheme == "http" and not _is_loopback(host) and options.get("insecure_http") is not True:
         return [
             f"option 'url' uses plain http to non-loopback host {host!r}: use https, "
@@ -130,21 +147,58 @@ def _check_url(options: Mapping[str, Any]) -> list[str]:
     return []
 
 
-def _check_headers(headers: Any) -> list[str]:
+def _check_headers(headers: Any, option: str = "headers") -> list[str]:
     if not isinstance(headers, Mapping):
-        return [f"option 'headers' must be a table of name = \"value\", got {type(headers).__name__}"]
+        return [f"option '{option}' must be a table of name = \"value\", got {type(headers).__name__}"]
     problems = []
     for name, value in headers.items():
         if not isinstance(name, str) or not _TOKEN.match(name):
-            problems.append(f"option 'headers': {name!r} is not a valid header name")
+            problems.append(f"option '{option}': {name!r} is not a valid header name")
         elif name.lower() in _RESERVED_HEADERS:
-            problems.append(f"option 'headers': {name!r} is set by the sink and cannot be configured")
+            problems.append(f"option '{option}': {name!r} is set by the sink and cannot be configured")
         elif not isinstance(value, str):
-            problems.append(f"option 'headers': value of {name!r} must be a string")
+            problems.append(f"option '{option}': value of {name!r} must be a string")
         elif any(c in value for c in "\r\n\0"):
             # Never echo the value: it may be a token.
-            problems.append(f"option 'headers': value of {name!r} must not contain line breaks or NUL")
+            problems.append(f"option '{option}': value of {name!r} must not contain line breaks or NUL")
     return problems
+
+
+def _secret_headers(options: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
+    """Headers whose values come from environment variables (``headers_env``: name = variable) or
+    files (``headers_file``: name = path), e.g. an Authorization or a Function key: secrets stay out
+    of the config (and out of a VM extension's publicSettings). Values are never echoed."""
+    headers: dict[str, str] = {}
+    problems: list[str] = []
+    inline = {str(k).lower() for k in (options.get("headers") or {})} if isinstance(options.get("headers"), Mapping) else set()
+    for option in ("headers_env", "headers_file"):
+        table = options.get(option)
+        if table is None:
+            continue
+        if not isinstance(table, Mapping) or not all(isinstance(v, str) and v.strip() for v in table.values()):
+            what = "environment variable" if option == "headers_env" else "file path"
+            problems.append(f"option '{option}' must be a table of header name = \"{what}\"")
+            continue
+        for name, source in table.items():
+            if str(name).lower() in inline or str(name).lower() in {n.lower() for n in headers}:
+                problems.append(f"option '{option}': header {name!r} is set twice")
+                continue
+            if option == "headers_env":
+                value = os.environ.get(source.strip())
+                if not value:
+                    problems.append(f"option 'headers_env': environment variable {source.strip()} (for {name!r}) is not set")
+                    continue
+            else:
+                try:
+                    value = open(os.path.expanduser(source.strip()), encoding="utf-8").read()
+                except (OSError, UnicodeDecodeError) as exc:
+                    why = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+                    problems.append(f"option 'headers_file': cannot read {source.strip()} (for {name!r}): {why}")
+                    continue
+            headers[str(name)] = value.strip()
+    if not problems:
+        problems = _check_headers(headers, "headers_env/headers_file")
+    return headers, problems
 
 
 def batch_id(batch: Sequence[Record]) -> str:
@@ -157,9 +211,13 @@ class WebhookSink:
     """POSTs records as CloudEvents JSON to ``url``, one per request or as a JSON array."""
 
     OPTIONS: ClassVar[dict[str, str]] = {
-        "url": "receiver URL (required); https, or http for loopback hosts",
+        "url": "receiver URL (required, or url_env / url_file); https, or http for loopback hosts",
+        "url_env": "environment variable holding the URL, when it carries a key (a Logic App's sig=, a Function's code=)",
+        "url_file": "file holding the URL, when it carries a key",
         "timeout": f"connect and read timeout per request (default {DEFAULT_TIMEOUT})",
-        "headers": "table of extra request headers, e.g. Authorization (values are never logged)",
+        "headers": "table of extra request headers that are not secret (values are never logged)",
+        "headers_env": "table of header name = environment variable holding its value (Authorization, x-functions-key)",
+        "headers_file": "table of header name = file holding its value",
         "batch_size": f"records per request, 1 to {MAX_BATCH_SIZE}; above 1 the body is a JSON array (default 1)",
         "secret_env": "environment variable holding a whsec_ secret: sign requests (Standard Webhooks)",
         "secret_file": "file holding a whsec_ secret: sign requests (Standard Webhooks)",
@@ -181,7 +239,9 @@ class WebhookSink:
         if problems:
             raise ValueError("; ".join(problems))
         self.name = context.name
-        self.url = options["url"].strip()
+        url, _ = _url_option(options)
+        assert isinstance(url, str)  # check() made sure
+        self.url = url.strip()
         self._safe_url = redact(self.url)
         self._query = urlsplit(self.url).query
         parts = urlsplit(self.url)
@@ -193,7 +253,7 @@ class WebhookSink:
         self.max_batch = self.batch_size
         self._key = load_secret(options)
         self._clock = clock
-        self._extra_headers = dict(options.get("headers") or {})
+        self._extra_headers = {**dict(options.get("headers") or {}), **_secret_headers(options)[0]}
         self._lock = threading.Lock()
         self._session = requests.Session()
         # Certificates are always checked; ca_file only changes whom we trust. Passed on every
@@ -223,6 +283,7 @@ class WebhookSink:
         problems += check_int_range(options, "batch_size", 1, MAX_BATCH_SIZE)
         if options.get("headers") is not None:
             problems += _check_headers(options["headers"])
+        problems += _secret_headers(options)[1]
         try:
             load_secret(options)
         except ConfigError as exc:
@@ -232,7 +293,8 @@ class WebhookSink:
         mode = options.get("mode")
         if mode is not None and mode not in MODES:
             problems.append(f"option 'mode' must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode == "binary" and any(str(name).lower().startswith("ce-") for name in options.get("headers") or {}):
+        configured = [*(options.get("headers") or {}), *(options.get("headers_env") or {}), *(options.get("headers_file") or {})]
+        if mode == "binary" and any(str(name).lower().startswith("ce-") for name in configured):
             problems.append("option 'headers': ce- headers are set by the sink in binary mode")
         if mode == "binary" and options.get("batch_size", 1) != 1:
             problems.append("option 'mode' = \"binary\" sends one record per request: leave batch_size at 1")

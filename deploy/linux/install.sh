@@ -5,12 +5,21 @@ set -euo pipefail
 
 usage() {
     cat <<'EOF'
-Usage: install.sh [--source SRC] [--extras LIST] [--python PY] [--prefix DIR] [--no-user] [--no-start]
+Usage: install.sh [--source SRC | --source-file FILE] [--index-url-file FILE] [--extras LIST]
+                  [--python PY] [--prefix DIR] [--no-user] [--no-start]
 
   --source SRC    what pip installs: a checkout of the project (a directory with pyproject.toml),
                   a wheel or sdist file, a URL (git+https://...@TAG, https://.../x.whl), or a
                   PyPI requirement (scheduled-events-forwarder==0.1.0).
                   Default: the checkout this script is in, else scheduled-events-forwarder.
+  --source-file FILE  the source read from FILE (mode 0600), for a URL carrying a credential
+                  (a SAS-signed wheel URL: ...whl?sv=...&sig=..., or https://user:token@host/x.whl):
+                  `ps` shows every command line to every local user, so --source refuses those.
+                  The wheel is downloaded by Python (the URL never on a command line) and pip
+                  installs the local file.
+  --index-url-file FILE  pip's index URL read from FILE (mode 0600), e.g.
+                  https://build:TOKEN@pkgs.example.com/simple/: handed to pip as PIP_INDEX_URL in
+                  its environment, never as an argument. pip's output is redacted either way.
   --extras LIST   comma-separated extras (default: eventhubs,loganalytics; "" for none; "all").
   --python PY     interpreter for the venv (>= 3.11 with venv/ensurepip). Default: the first
                   of python3 python3.13 python3.12 python3.11 that qualifies.
@@ -29,6 +38,20 @@ EOF
 
 die() { echo "install.sh: error: $*" >&2; exit 1; }
 say() { echo "install.sh: $*"; }
+# A URL's user:password@ and its query (a SAS token's sig=) never reach a log, a file or the screen.
+redact() { sed -E -e 's#([A-Za-z][A-Za-z0-9+.-]*://)[^/@[:space:]]*@#\1***@#g' -e 's#(://[^?[:space:]]*)\?[^[:space:]"'"'"']*#\1?***#g'; }
+has_credential() { [[ "$1" =~ ^[A-Za-z0-9+.-]+://[^/?#]*@ ]] || [[ "$1" == *://*\?* ]]; }
+read_secret_file() {  # FILE OPTION: the first line of FILE, trimmed; a warning if others may read it
+    [ -f "$1" ] && [ -r "$1" ] || die "$2 $1: not a readable file"
+    if [ -n "$(find "$1" -maxdepth 0 -perm /077 2>/dev/null)" ]; then
+        echo "install.sh: warning: $2 $1 may be read by other users (chmod 600 it)" >&2
+    fi
+    local line
+    IFS= read -r line <"$1" || [ -n "$line" ] || die "$2 $1: empty"
+    line="${line%$'\r'}"
+    line="${line#"${line%%[![:space:]]*}"}"
+    printf '%s' "${line%"${line##*[![:space:]]}"}"
+}
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PREFIX="${PREFIX:-}"
@@ -39,11 +62,18 @@ MANAGE_USER=1
 START=1
 SERVICE_USER=sefwd
 DIST=scheduled-events-forwarder
+SOURCE_FILE=""
+INDEX_URL_FILE=""
+INDEX_URL=""
 
 while [ $# -gt 0 ]; do
     case "$1" in
         --source) [ $# -ge 2 ] || die "--source needs a value"; SOURCE="$2"; shift 2 ;;
         --source=*) SOURCE="${1#*=}"; shift ;;
+        --source-file) [ $# -ge 2 ] || die "--source-file needs a value"; SOURCE_FILE="$2"; shift 2 ;;
+        --source-file=*) SOURCE_FILE="${1#*=}"; shift ;;
+        --index-url-file) [ $# -ge 2 ] || die "--index-url-file needs a value"; INDEX_URL_FILE="$2"; shift 2 ;;
+        --index-url-file=*) INDEX_URL_FILE="${1#*=}"; shift ;;
         --extras) [ $# -ge 2 ] || die "--extras needs a value"; EXTRAS="$2"; shift 2 ;;
         --extras=*) EXTRAS="${1#*=}"; shift ;;
         --python) [ $# -ge 2 ] || die "--python needs a value"; PYTHON="$2"; shift 2 ;;
@@ -57,6 +87,14 @@ while [ $# -gt 0 ]; do
     esac
 done
 
+if has_credential "$SOURCE"; then
+    die "--source $(printf '%s' "$SOURCE" | redact) carries a credential, which ps shows to every local user: put the URL in a file (mode 0600) and pass --source-file FILE"
+fi
+if [ -n "$SOURCE_FILE" ]; then
+    [ -z "$SOURCE" ] || die "give --source or --source-file, not both"
+    SOURCE="$(read_secret_file "$SOURCE_FILE" --source-file)"
+fi
+[ -z "$INDEX_URL_FILE" ] || INDEX_URL="$(read_secret_file "$INDEX_URL_FILE" --index-url-file)"
 EXTRAS="$(printf '%s' "$EXTRAS" | tr -d ' ')"
 case "$EXTRAS" in *[!A-Za-z0-9,_-]*) die "--extras: expected names separated by commas, got '$EXTRAS'" ;; esac
 
@@ -135,6 +173,32 @@ if [ -d "$SOURCE" ]; then
     REQUIREMENT="$WORK/src$EXTRAS_SPEC"
 elif [ -f "$SOURCE" ]; then
     REQUIREMENT="$(cd "$(dirname "$SOURCE")" && pwd)/$(basename "$SOURCE")$EXTRAS_SPEC"
+elif [[ "$SOURCE" == *://* ]] && has_credential "$SOURCE"; then
+    [[ "$SOURCE" != git+* ]] || die "a git URL with a credential would reach git's command line: use a git credential helper, or a wheel URL with --source-file"
+    # Python fetches it (URL read from a 0600 file, never an argument); pip installs the local file,
+    # so neither pip's output nor the venv's direct_url.json ever holds the credential.
+    WHEEL_NAME="$(basename "${SOURCE%%[?#]*}")"
+    [[ "$WHEEL_NAME" =~ ^[A-Za-z0-9_.+-]+\.(whl|tar\.gz|zip)$ ]] || die "--source-file: the URL must name a wheel or sdist file (…/name-version-….whl)"
+    (umask 077; printf '%s' "$SOURCE" >"$WORK/source.url"; mkdir "$WORK/download")
+    say "downloading $(printf '%s' "$SOURCE" | redact)"
+    "$PYTHON" - "$WORK/source.url" "$WORK/download/$WHEEL_NAME" <<'PY' || die "downloading the --source-file URL failed"
+import base64, sys, urllib.error, urllib.parse, urllib.request
+url = open(sys.argv[1]).read().strip()
+parts = urllib.parse.urlsplit(url)
+headers = {}
+if parts.username is not None:
+    user, password = urllib.parse.unquote(parts.username), urllib.parse.unquote(parts.password or "")
+    headers["Authorization"] = "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+    url = urllib.parse.urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))
+try:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=120) as r, open(sys.argv[2], "wb") as f:
+        while chunk := r.read(1 << 16):
+            f.write(chunk)
+except (OSError, ValueError) as exc:  # never the URL: it holds the credential
+    code = getattr(exc, "code", None)
+    sys.exit(f"install.sh: error: download failed: {'HTTP %s' % code if code else type(exc).__name__}")
+PY
+    REQUIREMENT="$WORK/download/$WHEEL_NAME$EXTRAS_SPEC"
 elif [[ "$SOURCE" == *://* ]]; then
     REQUIREMENT="$DIST$EXTRAS_SPEC @ $SOURCE"
 elif [[ "$SOURCE" == *"["* ]] || [ -z "$EXTRAS_SPEC" ]; then
@@ -162,10 +226,24 @@ if [ ! -x "$VENV/bin/python" ]; then
     say "creating $VENV with $PYTHON (Python $PY_VERSION)"
     "$PYTHON" -m venv "$VENV"
 fi
-say "pip install ${REQUIREMENT%%\?*}"  # a SAS token in a URL stays out of logs
+say "pip install $(printf '%s' "$REQUIREMENT" | redact)"
 # --upgrade: a re-run with a PyPI source moves to the newest release; local sources always reinstall.
-"$VENV/bin/python" -m pip install --no-input --disable-pip-version-check --progress-bar off --upgrade "$REQUIREMENT" \
-    || die "pip install failed (the VM needs access to the package index, or pass a wheel with --source)"
+# The index URL (with its token) goes to pip in its environment, never as an argument; whatever pip
+# prints goes through redact (pip hides a password, not a query).
+# A user:token@ in the index URL goes into a netrc file instead: pip hands its index URL to the
+# pip it starts for build dependencies on that one's command line.
+if [[ "$INDEX_URL" =~ ^([A-Za-z0-9+.-]+://)([^/?#@:]*:[^/?#@]*)@([^/?#:]+)(.*)$ ]]; then
+    userinfo="${BASH_REMATCH[2]//%/\\x}"  # percent-escapes decoded by printf %b
+    (umask 077; printf 'machine %s login %s password %s\n' "${BASH_REMATCH[3]}" \
+        "$(printf '%b' "${userinfo%%:*}")" "$(printf '%b' "${userinfo#*:}")" >"$WORK/netrc")
+    INDEX_URL="${BASH_REMATCH[1]}${BASH_REMATCH[3]}${BASH_REMATCH[4]}"
+    NETRC_FILE="$WORK/netrc"
+fi
+(
+    [ -z "$INDEX_URL" ] || export PIP_INDEX_URL="$INDEX_URL"
+    [ -z "${NETRC_FILE:-}" ] || export NETRC="$NETRC_FILE"
+    exec "$VENV/bin/python" -m pip install --no-input --disable-pip-version-check --progress-bar off --upgrade "$REQUIREMENT"
+) 2>&1 | redact || die "pip install failed (the VM needs access to the package index, or pass a wheel with --source)"
 "$VENV/bin/sefwd" --help >/dev/null || die "the installed $VENV/bin/sefwd does not run"
 VERSION="$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("scheduled-events-forwarder"))')"
 install -m 0755 "$HERE/uninstall.sh" "$OPT/uninstall.sh"
@@ -234,7 +312,7 @@ fi
 cat >"$OPT/install.env" <<EOF
 # Written by install.sh; read by uninstall.sh (never sourced).
 SEFWD_VERSION=$VERSION
-SEFWD_SOURCE=${SOURCE%%\?*}
+SEFWD_SOURCE=$(printf '%s' "$SOURCE" | redact)
 SEFWD_EXTRAS=$EXTRAS
 SEFWD_PYTHON=$PYTHON
 SEFWD_CREATED_USER=$CREATED_USER

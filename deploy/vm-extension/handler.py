@@ -700,9 +700,52 @@ def check_public_secrets(public: dict) -> None:
                     index, key, sink["type"], instead), E_SETTINGS)
 
 
+# publicSettings are readable by anyone with Reader on the VM (and land in the VM model): a value
+# that is a credential must come from protectedSettings.env, named by headers_env / url_env.
+SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "x-functions-key", "api-key", "x-api-key",
+                            "ocp-apim-subscription-key", "aeg-sas-key", "aeg-sas-token", "cookie"})
+SECRET_QUERY = frozenset({"code", "sig", "signature", "key", "token", "access_token", "api-key", "apikey", "api_key",
+                          "subscription-key", "password", "secret"})
+
+
+def public_secret_problems(public: dict) -> list:
+    """Where publicSettings carry a credential inline (names only: a value is never echoed)."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    problems = []
+    sinks = public.get("sinks") if isinstance(public.get("sinks"), list) else []
+    for i, sink in enumerate(sinks):
+        if not isinstance(sink, dict):
+            continue
+        where = "publicSettings.sinks[{}]{}".format(i, " ({})".format(sink["name"]) if isinstance(sink.get("name"), str) else "")
+        headers = sink.get("headers")
+        if isinstance(headers, dict):
+            for name in headers:
+                if str(name).lower() in SECRET_HEADERS:
+                    problems.append("{}: header {!r} is a credential: put its value in protectedSettings.env and "
+                                    "name the variable in headers_env".format(where, str(name)))
+        url = sink.get("url")
+        if isinstance(url, str):
+            try:
+                parts = urlsplit(url.strip())
+                names = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True) if k.lower() in SECRET_QUERY})
+                userinfo = parts.username is not None or parts.password is not None
+            except ValueError:
+                continue  # the agent's own check words that
+            if names or userinfo:
+                what = "query parameter(s) {}".format(", ".join(names)) if names else "user:password@"
+                problems.append("{}: url carries a credential ({}): put the URL in protectedSettings.env and "
+                                "name the variable in url_env".format(where, what))
+    return problems
+
+
 def op_enable(henv: HandlerEnvironment, seq: int | None) -> str:
     public, protected = read_settings(henv.config_folder, seq)
     check_public_secrets(public)
+    leaks = public_secret_problems(public)
+    if leaks:
+        raise HandlerError("publicSettings are readable by anyone with Reader on the VM, and carry secrets "
+                           "(previous config kept): " + "; ".join(leaks), E_CONFIG)
     env = parse_protected(protected)
     service_env = dict(env)
     if report_heartbeat():  # the running agent refreshes the file waagent reads

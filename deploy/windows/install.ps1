@@ -13,7 +13,9 @@
       $env:ProgramData\sefwd\secrets\            secret files named by *_file keys        ~ /etc/sefwd/env
       $env:ProgramData\sefwd\state               journal, cursors, dead letters           ~ /var/lib/sefwd
       $env:ProgramData\sefwd\logs                file sink + service logs                 ~ /var/log/sefwd
-    $env:ProgramData\sefwd and everything below it: SYSTEM and Administrators only.
+    $env:ProgramData\sefwd and everything below it: SYSTEM and Administrators only. The folder is
+    created with that ACL in one step; one that already exists but belongs to anyone else (any
+    user may create folders in ProgramData) is refused, never adopted (deploy/windows/acl_plan.py).
     The service runs as LocalSystem, starts automatically and restarts after a failure (5 s).
 
     The service host is WinSW (https://github.com/winsw/winsw, MIT), pinned by version and SHA-256.
@@ -132,10 +134,94 @@ function Write-Utf8NoBom([string]$Path, [string]$Text) {
     [System.IO.File]::WriteAllText($Path, $Text, (New-Object System.Text.UTF8Encoding $false))
 }
 
-function Protect-DataDir {
-    # SIDs, not names: S-1-5-18 is LocalSystem, S-1-5-32-544 Administrators, in every language.
-    Invoke-Checked icacls.exe @($DataDir, '/reset', '/T', '/C', '/Q')
-    Invoke-Checked icacls.exe @($DataDir, '/inheritance:r', '/grant:r', '*S-1-5-18:(OI)(CI)F', '*S-1-5-32-544:(OI)(CI)F', '/Q')
+# -- C:\ProgramData\sefwd: created with its final ACL, or refused -------------------------------
+# Any user may create a folder in C:\ProgramData (and owns it): the decisions below are the ones of
+# deploy/windows/acl_plan.py (tests/unit/test_windows_acl_plan.py keeps the two in step).
+# SIDs, not names: S-1-5-18 is LocalSystem, S-1-5-32-544 Administrators, in every language.
+$FinalSids = @('S-1-5-18', 'S-1-5-32-544')
+$TrustedOwners = @('S-1-5-18', 'S-1-5-32-544', 'S-1-5-80-956008885-3418522649-1831038044-1853292631-2271478464')
+$FinalInheritance = 'ContainerInherit, ObjectInherit'
+
+function New-FinalDirectorySecurity {
+    # Protected (nothing inherited from C:\ProgramData): SYSTEM and Administrators, full control,
+    # inherited by everything below; nobody else.
+    $security = New-Object System.Security.AccessControl.DirectorySecurity
+    $security.SetAccessRuleProtection($true, $false)
+    foreach ($sid in $FinalSids) {
+        $identity = New-Object System.Security.Principal.SecurityIdentifier $sid
+        $security.AddAccessRule((New-Object System.Security.AccessControl.FileSystemAccessRule(
+            $identity, 'FullControl', $FinalInheritance, 'None', 'Allow')))
+    }
+    return $security
+}
+
+function Get-DataDirState {
+    $installer = [System.Security.Principal.WindowsIdentity]::GetCurrent().User.Value
+    $item = Get-Item -LiteralPath $DataDir -Force -ErrorAction SilentlyContinue
+    if (-not $item) { return @{ Exists = $false; InstallerSid = $installer } }
+    $reparse = [bool]($item.Attributes -band [System.IO.FileAttributes]::ReparsePoint)
+    if ($reparse) { return @{ Exists = $true; InstallerSid = $installer; IsReparsePoint = $true } }
+    $acl = Get-Acl -LiteralPath $DataDir
+    $owner = $acl.GetOwner([System.Security.Principal.SecurityIdentifier]).Value
+    $aces = @($acl.GetAccessRules($true, $true, [System.Security.Principal.SecurityIdentifier]) | ForEach-Object {
+        "$($_.IdentityReference.Value)|$($_.FileSystemRights)|$($_.InheritanceFlags)|$($_.PropagationFlags)|$($_.AccessControlType)|$($_.IsInherited)"
+    })
+    $untrusted = @()
+    $loose = $false
+    foreach ($entry in @(Get-ChildItem -LiteralPath $DataDir -Recurse -Force -Attributes !ReparsePoint -ErrorAction Stop)) {
+        $entryAcl = Get-Acl -LiteralPath $entry.FullName
+        $entryOwner = $entryAcl.GetOwner([System.Security.Principal.SecurityIdentifier]).Value
+        if ($TrustedOwners -notcontains $entryOwner -and $entryOwner -ne $installer) { $untrusted += $entry.FullName }
+        if ($entryAcl.AreAccessRulesProtected -or @($entryAcl.GetAccessRules($true, $false, [System.Security.Principal.SecurityIdentifier])).Count) { $loose = $true }
+    }
+    # A junction or link below (not followed by the listing above) is refused like a foreign entry.
+    $untrusted += @(Get-ChildItem -LiteralPath $DataDir -Recurse -Force -Attributes ReparsePoint -ErrorAction Stop | ForEach-Object { $_.FullName })
+    return @{ Exists = $true; InstallerSid = $installer; IsReparsePoint = $false; OwnerSid = $owner;
+              Protected = $acl.AreAccessRulesProtected; Aces = $aces; UntrustedEntries = $untrusted; LooseEntries = $loose }
+}
+
+function Get-DataDirPlan($State) {
+    # The decision table of deploy/windows/acl_plan.py, action for action.
+    if (-not $State.Exists) { return @{ Action = 'create'; Reason = 'absent' } }
+    if ($State.IsReparsePoint) { return @{ Action = 'refuse'; Reason = 'is a junction or symbolic link: never followed; remove it and re-run' } }
+    if ($TrustedOwners -notcontains $State.OwnerSid -and $State.OwnerSid -ne $State.InstallerSid) {
+        return @{ Action = 'refuse'; Reason = "is owned by $($State.OwnerSid), not SYSTEM or Administrators: someone else made it and its content (config.toml, hooks) cannot be trusted; inspect it, remove it and re-run" }
+    }
+    if ($State.UntrustedEntries.Count) {
+        return @{ Action = 'refuse'; Reason = "holds entries owned by someone else or links ($(($State.UntrustedEntries | Select-Object -First 5) -join ', ')): inspect and remove them, then re-run" }
+    }
+    $final = @($FinalSids | ForEach-Object { "$_|FullControl|$FinalInheritance|None|Allow|False" })
+    $same = ($State.Aces.Count -eq $final.Count) -and -not @($State.Aces | Where-Object { $final -notcontains $_ }).Count
+    if ($State.Protected -and $same -and -not $State.LooseEntries) { return @{ Action = 'keep'; Reason = 'owned by a trusted owner with the final ACL' } }
+    return @{ Action = 'tighten'; Reason = 'trusted owner, looser or different ACL' }
+}
+
+function Initialize-DataDir {
+    $plan = Get-DataDirPlan (Get-DataDirState)
+    switch ($plan.Action) {
+        'refuse' { throw "$DataDir $($plan.Reason)" }
+        'create' {
+            # One call creates the folder with its final ACL: it never exists with C:\ProgramData's.
+            if ($PSVersionTable.PSEdition -eq 'Core') {
+                [System.IO.FileSystemAclExtensions]::Create((New-Object System.IO.DirectoryInfo $DataDir), (New-FinalDirectorySecurity))
+            } else {
+                [System.IO.Directory]::CreateDirectory($DataDir, (New-FinalDirectorySecurity)) | Out-Null
+            }
+            # Someone may have made it in between (CreateDirectory then changes nothing): check again.
+            $after = Get-DataDirPlan (Get-DataDirState)
+            if ($after.Action -ne 'keep') { throw "$DataDir $($after.Reason) (found right after creating it)" }
+            Say "created $DataDir (SYSTEM and Administrators only)"
+        }
+        'tighten' {
+            # Narrowing only: the folder's own ACL first, then everything below inherits it.
+            Set-Acl -LiteralPath $DataDir -AclObject (New-FinalDirectorySecurity)
+            if (@(Get-ChildItem -LiteralPath $DataDir -Force).Count) {
+                Invoke-Checked icacls.exe @((Join-Path $DataDir '*'), '/reset', '/T', '/C', '/Q')
+            }
+            Say "tightened the ACL of $DataDir to SYSTEM and Administrators only"
+        }
+        'keep' { }
+    }
 }
 
 function Get-ServiceHost {
@@ -290,14 +376,14 @@ try {
 }
 Invoke-Checked $SefwdExe @('--help') | Out-Null
 
-New-Item -ItemType Directory -Force -Path $DataDir, $SecretsDir, $StateDir, $LogDir | Out-Null
+Initialize-DataDir  # before anything is created or read in it
+New-Item -ItemType Directory -Force -Path $SecretsDir, $StateDir, $LogDir | Out-Null  # inherit the final ACL
 if (Test-Path -LiteralPath $ConfigPath) {
     Say "keeping $ConfigPath"
 } else {
     Say "writing $ConfigPath"
     Write-Utf8NoBom $ConfigPath (Expand-Template $ConfigTemplate)
 }
-Protect-DataDir
 
 Get-ServiceHost
 Write-Utf8NoBom $ServiceXml (Expand-Template $ServiceTemplate)

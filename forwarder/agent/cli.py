@@ -34,6 +34,7 @@ EXIT_BAD_DOCUMENT = 3
 EXIT_DEGRADED = 4  # `sefwd status`: the agent runs, but something needs attention
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT), as shells report it
 IMDS_TURN_LOCK = "imds-turn.lock"  # in the state dir: one-shot commands that call IMDS take turns
+_TURN_WIDTH = 32  # the turn file holds one time, space-padded to this width
 
 
 def _add_config_arg(p: argparse.ArgumentParser) -> None:
@@ -452,11 +453,17 @@ def _imds_turn(state_dir: Path) -> Iterator[None]:
     except ImportError:
         yield
         return
+    from forwarder.common.owned_files import UnsafeFileError, open_owned, owned_by_me
+
     path = state_dir / IMDS_TURN_LOCK
     fd = -1
-    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):  # (a reader of a state dir it cannot write)
+    # Never a link, a FIFO or someone else's file: root runs this in the service user's directory.
+    for write, create in ((True, True), (False, False)):  # (a reader of a state dir it cannot write)
         try:
-            fd = os.open(path, flags, 0o640)
+            fd, created = open_owned(state_dir, IMDS_TURN_LOCK, write=write, create=create)
+            break
+        except UnsafeFileError as exc:
+            log.warning("IMDS turn lock %s: %s; going ahead alone", path, exc.strerror)
             break
         except OSError:
             continue
@@ -469,7 +476,7 @@ def _imds_turn(state_dir: Path) -> Iterator[None]:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            last = float(os.pread(fd, 32, 0) or b"0")
+            last = float(os.pread(fd, _TURN_WIDTH, 0).strip() or b"0")
         except (OSError, ValueError):
             last = 0.0
         pause = min(BUDGET_WINDOW, last + BUDGET_WINDOW - time.time())
@@ -479,8 +486,9 @@ def _imds_turn(state_dir: Path) -> Iterator[None]:
             yield
         finally:
             try:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, repr(time.time()).encode(), 0)
+                if created or owned_by_me(fd):  # another user's file is overwritten in place, never truncated
+                    os.ftruncate(fd, 0)
+                os.pwrite(fd, repr(time.time()).encode().ljust(_TURN_WIDTH), 0)
             except OSError:
                 pass  # a read-only file: the next command may start within this window
     finally:

@@ -176,8 +176,10 @@ SINK_EXAMPLES: dict[str, dict[str, Any]] = {
     "stdout": {"pretty": False},
     "file": {"path": "/var/log/sefwd/events.jsonl", "max_size": "64MiB", "backups": 5, "fsync": False},
     "webhook": {
-        "url": "https://receiver.example.com/sefwd", "timeout": "10s",
-        "headers": {"Authorization": "Bearer <token>"}, "batch_size": 1,
+        "url": "https://receiver.example.com/sefwd", "url_env": "SEFWD_WEBHOOK_URL",
+        "url_file": "/etc/sefwd/webhook.url", "timeout": "10s",
+        "headers": {"X-Team": "ops"}, "headers_env": {"Authorization": "SEFWD_WEBHOOK_AUTHORIZATION"},
+        "headers_file": {"x-functions-key": "/etc/sefwd/function.key"}, "batch_size": 1,
         "secret_env": "SEFWD_WEBHOOK_SECRET", "secret_file": "/etc/sefwd/webhook.secret",
         "insecure_http": False, "ca_file": "/etc/sefwd/ca.pem", "mode": "structured", "handshake": False,
         "origin": "vm-0.example.com",

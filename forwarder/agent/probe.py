@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from forwarder.agent.maintenance import MaintenancePolicy, MaintenanceTracker, StateFile, default_state_file
-from forwarder.common.http_server import HttpServer, QuietHandler, host_port_text
+from forwarder.common.http_server import HttpServer, QuietHandler, client_key, host_port_text
 from forwarder.common.logs import RateLimitedLog
 from forwarder.errors import ConfigError
 from forwarder.records import utcnow
@@ -70,11 +70,6 @@ def _response(status: int, body: bytes, content_type: str, now: datetime, extra:
             f"Server: sefwd-probe\r\nContent-Type: {content_type}\r\nContent-Length: {len(body)}\r\n"
             f"Cache-Control: no-store\r\nConnection: close\r\n{extra}\r\n").encode("latin-1")
     return head + body, head
-
-
-def _client_host(address: Any) -> str:
-    host = str(address[0]) if isinstance(address, tuple) and address else str(address)
-    return host.removeprefix("::ffff:")
 
 
 class _Conn:
@@ -223,7 +218,7 @@ class ProbeServer:
     # -- connections --------------------------------------------------------------------------------
     def _admit(self, sock: socket.socket, address: Any) -> None:
         """On the accept loop: never blocks."""
-        host = _client_host(address)
+        host = client_key(address)
         victim: _Conn | None = None
         with self._conns_lock:
             mine = sum(1 for c in self._conns.values() if c.host == host)

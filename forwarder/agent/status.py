@@ -82,10 +82,14 @@ def agent_running(state_dir: Path) -> bool:
         import fcntl
     except ImportError:
         return True  # Windows: the service manager knows; say so rather than guess
-    try:
-        fd = os.open(state_dir / "agent.lock", os.O_RDWR)
-    except FileNotFoundError:
+    from forwarder.common.owned_files import UnsafeFileError, open_owned
+
+    try:  # never a link, a FIFO or another user's file: `sudo sefwd status` reads the service user's dir
+        fd, _ = open_owned(state_dir, "agent.lock", write=False)
+    except (FileNotFoundError, NotADirectoryError):
         return False
+    except UnsafeFileError:
+        return False  # no agent's lock: the agent's own lock is a plain file it created
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -31,7 +31,7 @@ import orjson
 
 from forwarder import __version__
 from forwarder.errors import ConfigError, ImdsError, ImdsTimeout
-from forwarder.common.http_server import HttpServer, QuietHandler, host_port_text
+from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler, host_port_text
 from forwarder.sinkapi import Ok, Record, Reject, Result, Sink
 
 if TYPE_CHECKING:
@@ -334,6 +334,11 @@ class _Handler(QuietHandler):
     do_HEAD = do_GET
 
 
+# A scraper needs one connection at a time: a local user holding idle half-sent requests gets a few
+# threads for a few seconds, and a scrape from elsewhere is still answered (docs/config-and-secrets.md).
+TELEMETRY_LIMITS = ConnectionLimits(max_connections=16, max_per_client=4, request_timeout=10.0)
+
+
 class _Server(HttpServer):
     telemetry: Telemetry
 
@@ -586,7 +591,7 @@ class Telemetry:
             return
         host, port = self.config.listen
         try:
-            server = _Server((host, port), _Handler)
+            server = _Server((host, port), _Handler, TELEMETRY_LIMITS)
         except OSError as exc:
             raise ConfigError([f"telemetry.listen {host_port_text(host, port)}: cannot listen: "
                                f"{exc.strerror or exc}"]) from None

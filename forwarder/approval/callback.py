@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import email.utils
 import io
-import ipaddress
 import json
 import logging
 import math
@@ -27,7 +26,7 @@ from urllib.parse import urlsplit
 from forwarder.approval.seen_ids import ReplayCache
 from forwarder.approval.settings import CallbackSettings
 from forwarder.errors import ConfigError, ForwarderError, StateError
-from forwarder.common.http_server import HttpServer, QuietHandler, host_port_text, tls_server_context
+from forwarder.common.http_server import HttpServer, QuietHandler, client_key, host_port_text, tls_server_context
 from forwarder.common.logs import RateLimitedLog
 from forwarder.common.signing import SignatureError, verify
 
@@ -233,20 +232,7 @@ def _client_text(address: Any) -> str:
     return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
 
 
-def _client_host(address: Any) -> str:
-    """The one client key: the IPv4 address, or the IPv6 /64 (one host's share). The per-client
-    connection cap, the request rate limit and refusal aggregation (forwarder.approval.refusals) all use it."""
-    host = str(address[0]) if isinstance(address, tuple) and address else str(address)
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        # One machine usually holds a whole /64: counting single addresses would let it take every slot.
-        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
-    return str(ip)
+_client_host = client_key  # the unit of the per-client connection cap, as for every listener
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -50,6 +50,21 @@ def _url(value: str, field: str, scheme: str = "https") -> list[str]:
     return []
 
 
+# The Entra ID audiences of Azure Monitor ingestion (public cloud, US Government, China): a token
+# for any other audience would be a token for another service, so a connection string (which is not
+# a secret) cannot pick one.
+AZURE_MONITOR_AUDIENCES = ("https://monitor.azure.com/", "https://monitor.azure.us/", "https://monitor.azure.cn/")
+
+
+def monitor_audience(value: str) -> str:
+    """``value`` as one of ``AZURE_MONITOR_AUDIENCES`` (case and a missing final slash forgiven); ValueError else."""
+    canonical = value.strip().lower().rstrip("/") + "/"
+    if canonical not in AZURE_MONITOR_AUDIENCES:
+        raise ValueError("the connection string's AADAudience must be one of Azure Monitor's audiences ("
+                         + ", ".join(AZURE_MONITOR_AUDIENCES) + "): a token for another audience is never requested")
+    return canonical
+
+
 def appinsights_problems(text: str) -> list[str]:
     """Problems with an Application Insights / Azure Monitor connection string (empty = usable)."""
     try:
@@ -69,6 +84,11 @@ def appinsights_problems(text: str) -> list[str]:
     for field in ("IngestionEndpoint", "LiveEndpoint"):
         if fields.get(field.lower()):
             problems += _url(fields[field.lower()], field)
+    if fields.get("aadaudience"):
+        try:
+            monitor_audience(fields["aadaudience"])
+        except ValueError as exc:
+            problems.append(str(exc))
     return problems
 
 

@@ -4,8 +4,10 @@ What they share lives here, once: the ``host:port`` listen parser, the address f
 the parsed host, binding without a reverse-DNS lookup, the loopback decision (forwarder.common.loopback,
 on resolved addresses), the TLS context (certificate and key, TLS 1.2 at least), one quiet
 ``log_message`` (the module's logger, at debug), daemon threads, and start/stop in a background
-thread. What each server does with a connection (the callback's per-client caps and deadlines,
-the emulator's raw-socket faults, telemetry's /metrics) stays in its own module.
+thread, and the connection limits every listener has (``ConnectionLimits``: total and
+per-client connection caps, a deadline for each request's headers, an idle timeout per read).
+What each server does with a connection (the emulator's raw-socket faults, telemetry's /metrics)
+stays in its own module; the approval callback keeps its own, stricter connection handling.
 """
 from __future__ import annotations
 
@@ -15,16 +17,22 @@ import re
 import socket
 import socketserver
 import threading
+import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from forwarder.common.logs import RateLimitedLog
 from forwarder.common.loopback import is_loopback
 
 if TYPE_CHECKING:
     import ssl
 
-__all__ = ["HttpServer", "QuietHandler", "address_family", "host_port_text", "parse_listen", "tls_server_context"]
+__all__ = ["DEFAULT_LIMITS", "ConnectionLimits", "HttpServer", "QuietHandler", "address_family", "client_key",
+           "host_port_text", "parse_listen", "tls_server_context"]
+
+log = logging.getLogger(__name__)
 
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 
@@ -110,12 +118,120 @@ def tls_server_context(cert: Path | str, key: Path | str) -> ssl.SSLContext:
     return context
 
 
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What one listener lets clients hold: connections in all and per client (``client_key``), and
+    ``request_timeout`` seconds for a request's line and headers (from the connection, or from the
+    previous answer on a kept-alive one) and for any single read. A connection over a cap is closed
+    at once, before a thread is spent on it."""
+
+    max_connections: int = 64
+    max_per_client: int = 16
+    request_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1 or self.max_per_client < 1 or not self.request_timeout > 0:
+            raise ValueError(f"connection limits must be positive: {self}")
+
+
+DEFAULT_LIMITS = ConnectionLimits()
+
+
+def client_key(address: Any) -> str:
+    """The unit of a per-client cap: the IPv4 address, or the IPv6 /64 (one host's share)."""
+    host = str(address[0]) if isinstance(address, tuple) and address else str(address)
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        # One machine usually holds a whole /64: counting single addresses would let it take every slot.
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+def _shut_read(sock: socket.socket) -> None:
+    try:
+        socket.socket.shutdown(sock, socket.SHUT_RD)  # the plain socket's, even under TLS
+    except OSError:
+        pass
+
+
+class _Deadlines:
+    """Cuts the read side of connections whose request has not arrived by its deadline: a per-read
+    timeout alone lets a client trickle one byte per timeout forever."""
+
+    def __init__(self, name: str) -> None:
+        self._cond = threading.Condition()
+        self._due: dict[socket.socket, float | None] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"{name}-deadlines", daemon=True)
+        self._thread.start()
+
+    def arm(self, sock: socket.socket, seconds: float) -> None:
+        with self._cond:
+            if not self._stopped:
+                self._due[sock] = time.monotonic() + seconds
+                self._cond.notify()
+
+    def disarm(self, sock: socket.socket) -> None:
+        with self._cond:
+            if sock in self._due:
+                self._due[sock] = None
+
+    def forget(self, sock: socket.socket) -> None:
+        with self._cond:
+            self._due.pop(sock, None)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            for sock in self._due:
+                _shut_read(sock)
+            self._cond.notify()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._stopped:
+                now = time.monotonic()
+                nearest: float | None = None
+                for sock, due in self._due.items():
+                    if due is None:
+                        continue
+                    if due <= now:
+                        self._due[sock] = None
+                        _shut_read(sock)
+                    elif nearest is None or due < nearest:
+                        nearest = due
+                self._cond.wait(None if nearest is None else max(0.0, nearest - now) + 0.005)
+
+
 class QuietHandler(BaseHTTPRequestHandler):
-    """A request handler whose access log goes to ``logger`` at debug, never to stderr."""
+    """A request handler whose access log goes to ``logger`` at debug, never to stderr.
+
+    Under a server with ``ConnectionLimits`` each request's line and headers must arrive within
+    the deadline; the handler's own work and its answer are not bounded by it.
+    """
 
     logger: logging.Logger = logging.getLogger(__name__)
     log_label = "http"
     sys_version = ""
+
+    def handle_one_request(self) -> None:
+        deadlines = getattr(self.server, "_deadlines", None)
+        if deadlines is not None:
+            deadlines.arm(self.connection, self.server.limits.request_timeout)  # type: ignore[attr-defined]
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        deadlines = getattr(self.server, "_deadlines", None)
+        if deadlines is not None:
+            deadlines.disarm(self.connection)
+        return ok
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
         if self.logger.isEnabledFor(logging.DEBUG):
@@ -135,14 +251,78 @@ class HttpServer(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
+    request_queue_size = 64  # a burst of connects waits in the backlog, not in 1 s SYN retries
 
-    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler]) -> None:
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 limits: ConnectionLimits | None = DEFAULT_LIMITS) -> None:
         host, port = address
         host = host.strip("[]")
         self.address_family = address_family(host)
         self.host = host
         self._thread: threading.Thread | None = None
+        self.limits = limits
+        self._open: dict[str, int] = {}  # client_key -> connections being served
+        self._open_lock = threading.Lock()
+        self._deadlines: _Deadlines | None = None
+        self._refusals = RateLimitedLog(log, 60.0)
+        self.refused_connections = 0
         super().__init__((host, port), handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """Runs on the accept loop, never blocks: a connection over a cap is closed, else served."""
+        if self.limits is None:
+            super().process_request(request, client_address)
+            return
+        key = client_key(client_address)
+        with self._open_lock:
+            if self._deadlines is None:
+                self._deadlines = _Deadlines(type(self).__name__)
+            full = ("client" if self._open.get(key, 0) >= self.limits.max_per_client
+                    else "busy" if sum(self._open.values()) >= self.limits.max_connections else None)
+            if full is None:
+                self._open[key] = self._open.get(key, 0) + 1
+            else:
+                self.refused_connections += 1
+        if full is not None:
+            self._refusals.log(logging.WARNING, full, "%s %s: %s, closing a connection from %s",
+                               type(self).__name__, self.url(),
+                               f"that client already has {self.limits.max_per_client} connections open"
+                               if full == "client" else f"{self.limits.max_connections} connections open", key)
+            self.shutdown_request(request)
+            return
+        thread = threading.Thread(target=self._serve_limited, args=(request, client_address, key),
+                                  name=f"{type(self).__name__}-conn", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:
+            self._release(key)
+            self.shutdown_request(request)
+
+    def _serve_limited(self, request: Any, client_address: Any, key: str) -> None:
+        assert self.limits is not None and self._deadlines is not None
+        deadlines = self._deadlines
+        try:
+            request.settimeout(self.limits.request_timeout)  # each read; a handler's own `timeout` wins
+            deadlines.arm(request, self.limits.request_timeout)  # e.g. a TLS handshake in the handler
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+        finally:
+            deadlines.forget(request)
+            self.shutdown_request(request)
+            self._release(key)
+
+    def _release(self, key: str) -> None:
+        with self._open_lock:
+            left = self._open.get(key, 0) - 1
+            if left > 0:
+                self._open[key] = left
+            else:
+                self._open.pop(key, None)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver prints a traceback to stderr; a client dropping its connection is no news.
+        log.debug("%s: error serving %s", type(self).__name__, client_address, exc_info=True)
 
     def server_bind(self) -> None:
         # HTTPServer.server_bind does a reverse DNS lookup (getfqdn) that can hang for seconds.
@@ -177,6 +357,10 @@ class HttpServer(ThreadingHTTPServer):
         if self._thread is not None:
             self.shutdown()
         self.close_connections()
+        with self._open_lock:
+            deadlines, self._deadlines = self._deadlines, None
+        if deadlines is not None:
+            deadlines.stop()  # cuts what is still reading a request
         self.server_close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(join_timeout)

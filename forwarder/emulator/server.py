@@ -25,7 +25,7 @@ from forwarder.emulator.model import (
 )
 from forwarder.emulator.scenario import Scenario, load_scenario
 from forwarder.errors import ConfigError
-from forwarder.common.http_server import HttpServer, QuietHandler, host_port_text
+from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler, host_port_text
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +52,17 @@ def _wants_close(values: list[str]) -> bool:
     return any(token.strip().lower() == "close" for value in values for token in value.split(","))
 
 
+# Sized for a fleet of agents on one host (benchmarks/fleet.py: 100 kept-alive connections from
+# 127.0.0.1); an idle kept-alive connection is closed after 60 s, as before.
+EMULATOR_LIMITS = ConnectionLimits(max_connections=512, max_per_client=256, request_timeout=60.0)
+
+
 class _Server(HttpServer):
-    def __init__(self, addr: tuple[str, int], emulator: Emulator) -> None:
+    def __init__(self, addr: tuple[str, int], emulator: Emulator, limits: ConnectionLimits = EMULATOR_LIMITS) -> None:
         self.emulator = emulator
         self.connections: set[socket.socket] = set()
         self.conn_lock = threading.Lock()
-        super().__init__(addr, _Handler)
+        super().__init__(addr, _Handler, limits)
 
     def close_connections(self) -> None:
         # Keep-alive connections outlive shutdown(); close them so a stopped emulator stops answering.
@@ -496,6 +501,7 @@ class Emulator:
         arm_tls: tuple[str | Path, str | Path] | None = None,
         arm_port: int = 0,
         arm_grants: Mapping[str, Iterable[str]] | None = None,
+        limits: ConnectionLimits = EMULATOR_LIMITS,
     ) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must not be negative, got {time_scale!r}")
@@ -511,6 +517,7 @@ class Emulator:
         notice = (terminate_notice if terminate_notice is not None
                   else sc.terminate_notice if sc and sc.terminate_notice is not None else MIN_NOTICE["Terminate"])
         self.etag = etag
+        self.limits = limits
         self.platform = Platform(profiles, time_scale=time_scale, clock=clock, terminate_notice=notice,
                                  rate_limit=rate_limit, token_rate_limit=token_rate_limit,
                                  token_concurrency=token_concurrency)
@@ -532,7 +539,7 @@ class Emulator:
 
     def start(self) -> Emulator:
         """Bind, serve in a background thread and start the scenario's timeline."""
-        self._server = _Server((self.host, self.port), self)
+        self._server = _Server((self.host, self.port), self, self.limits)
         self.port = self._server.port
         self._server.start("imds-emulator", poll_interval=0.1)
         if self.arm_tls is not None:

@@ -118,12 +118,26 @@ def _is_json(text: str) -> bool:
 
 
 def connect(path: Path, *, fsync: bool = True) -> sqlite3.Connection:
-    """A connection with the house settings; creates the schema if the file is new."""
-    new = not path.exists()
-    conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
-    try:
+    """A connection with the house settings; creates the schema if the file is new.
+
+    On POSIX the file is opened as ``open_owned`` allows (no link, no FIFO, nobody else's: root's
+    ``sefwd approve`` runs in the service user's directory), and SQLite must then open that very
+    file: it is told not to create one (a link swapped in meanwhile creates nothing anywhere), and
+    a connection to any other inode is closed before a single statement ran.
+    """
+    if os.name != "posix":
+        new = not path.exists()
+        conn = sqlite3.connect(str(path), timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
         if new:
-            os.chmod(path, 0o640)  # records and approvals are nobody else's business
+            os.chmod(path, 0o640)
+        return _configure(conn, fsync)
+    from forwarder.common.owned_files import checked_sqlite
+
+    return _configure(checked_sqlite(path, BUSY_TIMEOUT_MS / 1000), fsync)
+
+
+def _configure(conn: sqlite3.Connection, fsync: bool) -> sqlite3.Connection:
+    try:
         conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")

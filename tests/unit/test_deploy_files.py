@@ -290,8 +290,8 @@ def test_windows_layout_matches_between_scripts_and_linux() -> None:
     linux = (LINUX / "install.sh").read_text()
     assert "$Extras = 'eventhubs,loganalytics'" in install and 'EXTRAS="eventhubs,loganalytics"' in linux
     assert "$Dist = 'scheduled-events-forwarder'" in install and "DIST=scheduled-events-forwarder" in linux
-    # Only SYSTEM and Administrators, by SID.
-    assert "'/inheritance:r'" in install and "*S-1-5-18:(OI)(CI)F" in install and "*S-1-5-32-544:(OI)(CI)F" in install
+    # Only SYSTEM and Administrators, by SID (tests/unit/test_windows_acl_plan.py checks how).
+    assert "$FinalSids = @('S-1-5-18', 'S-1-5-32-544')" in install and "SetAccessRuleProtection($true, $false)" in install
 
 
 def test_winsw_download_is_pinned_and_verified() -> None:
