@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sqlite3
 import threading
 import time
 import traceback
@@ -104,6 +105,8 @@ class Poller:
         self.inbox: deque[dict[str, Any]] = deque()
         self._inbox_failures, self._inbox_due = 0, 0.0  # failed inbox commits in a row; next try (monotonic)
         self.on_changes: Callable[[list[Change], list[Record]], None] | None = None
+        # Plans actions from committed changes inside their transaction (forwarder.approval.planner).
+        self.plan: Callable[[sqlite3.Connection, list[Change], list[Record], Document], None] | None = None
         self.on_first_answer: Callable[[], None] | None = None  # e.g. rewrite the status report now
 
     # -- one cycle -------------------------------------------------------------------------
@@ -151,7 +154,20 @@ class Poller:
             built[:] = self.factory.for_changes(changes, document)
             return built
 
-        if self._emit(build, document=document, body=body):
+        def plan(c: sqlite3.Connection) -> None:
+            if self.plan is None or not changes:
+                return
+            # The actions these changes call for, in the same transaction; a planning bug costs the
+            # plan (logged), never the records.
+            c.execute("SAVEPOINT plan")
+            try:
+                self.plan(c, changes, built, document)
+            except Exception:  # noqa: BLE001
+                log.exception("could not plan actions for %d change(s); the records are committed without them", len(changes))
+                c.execute("ROLLBACK TO plan")
+            c.execute("RELEASE plan")
+
+        if self._emit(build, document=document, body=body, then=plan):
             self.stats.changed_documents += 1
             self.stats.records += len(changes)
             if changes and self.on_changes is not None:
@@ -200,7 +216,7 @@ class Poller:
             self._inbox_due = self._mono() + self._backoff.delay(self._inbox_failures - 1, self._rng)
 
     def _emit(self, build: Callable[[], list[Record]], *, document: Document | None = None, body: bytes | None = None,
-              inbox_ids: Sequence[int] = ()) -> bool:
+              inbox_ids: Sequence[int] = (), then: Callable[[sqlite3.Connection], None] | None = None) -> bool:
         """Commit the records with the state they came from in one transaction; False if the store refused."""
         sequence_before = self.factory.sequence
         records = build()
@@ -212,7 +228,7 @@ class Poller:
             evidence=self._evidence_after(document),
         )
         try:
-            self.outbox.commit(records, new_state, inbox_ids=inbox_ids)
+            self.outbox.commit(records, new_state, inbox_ids=inbox_ids, then=then)
         except (OSError, ForwarderError) as exc:
             self.factory.sequence = sequence_before
             self.stats.outbox_errors += 1
