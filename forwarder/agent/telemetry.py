@@ -280,7 +280,7 @@ class _ObservedOutbox:
         self._telemetry = telemetry
 
     def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = (),
-               then: Callable[[sqlite3.Connection], None] | None = None) -> None:
+               then: Callable[[sqlite3.Connection], Sequence[Record]] | None = None) -> None:
         try:
             self._outbox.commit(records, state, inbox_ids=inbox_ids, then=then)
         except BaseException as exc:

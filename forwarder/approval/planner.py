@@ -2,8 +2,9 @@
 
 ``Planner.plan`` runs inside the poller's transaction (the one committing the changes' records),
 so a change and the actions it calls for are durable together or not at all. Nothing runs here:
-rows are inserted ``planned`` with a due time, and their ``approval.planned`` audit entries are
-queued in the same transaction. An ``updated`` change supersedes the event's pending actions
+rows are inserted ``planned`` with a due time; the audit entries of what was planned
+(``approval.planned``, ``.held``, ``.superseded``) are returned, and the poller commits them as
+records in the same transaction. An ``updated`` change supersedes the event's pending actions
 (``approval.superseded``) and plans afresh; a terminal change supersedes what never ran.
 """
 from __future__ import annotations
@@ -69,13 +70,21 @@ class Planner:
         self.store = store
         self.clock = clock
         self.planned = 0
+        self._entries: list[dict[str, Any]] | None = None  # collected by plan(); None: queued in the inbox
 
     # -- the poller's transaction ------------------------------------------------------------
     def plan(self, c: sqlite3.Connection, changes: Sequence[Change], records: Sequence[Record],
-             document: Document) -> None:
+             document: Document) -> list[dict[str, Any]]:
+        """Insert the rows the changes call for; returns their audit entries."""
         now = self.clock()
-        for change, record in zip(changes, records, strict=True):
-            self._plan_change(c, change, record.to_dict(), document, now)
+        entries: list[dict[str, Any]] = []
+        self._entries = entries
+        try:
+            for change, record in zip(changes, records, strict=True):
+                self._plan_change(c, change, record.to_dict(), document, now)
+        finally:
+            self._entries = None
+        return entries
 
     def _plan_change(self, c: sqlite3.Connection, change: Change, record: Mapping[str, Any], document: Document,
                      now: float) -> None:
@@ -101,7 +110,10 @@ class Planner:
         return bool(self.config.rules) and change.kind in (SCHEDULED, UPDATED) and change.event.status == "Scheduled"
 
     def _queue(self, c: sqlite3.Connection, entry: dict[str, Any]) -> None:
-        self.store.inbox_put(c, entry)
+        if self._entries is not None:
+            self._entries.append(entry)
+        else:  # at start, outside the poller's commit: the inbox, in the same transaction
+            self.store.inbox_put(c, entry)
 
     def _supersede(self, c: sqlite3.Connection, event_id: str, reason: str, now: float) -> list[Action]:
         gone: list[Action] = []

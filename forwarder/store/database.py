@@ -245,14 +245,20 @@ class Store:
         return state
 
     def commit(self, records: Sequence[Record], state: SavedState | None = None, *,
-               inbox_ids: Sequence[int] = (), then: Callable[[sqlite3.Connection], None] | None = None) -> None:
+               inbox_ids: Sequence[int] = (),
+               then: Callable[[sqlite3.Connection], Sequence[Record]] | None = None) -> None:
         """Records, the state they came from and the inbox rows they consumed, in one transaction;
-        ``then`` writes more in the same transaction (the actions planned from these records)."""
+        ``then`` writes more in the same transaction (the actions planned from these records) and
+        returns the records that go with it (their audit)."""
         now_ms = int(self._clock() * 1000)
-        rows = [(r.body, r.type, priority_of(r.type), now_ms) for r in records]
-        added = sum(len(r.body) for r in records)
+        rows: list[tuple[bytes, str, int, int]] = []
+        added = 0
         try:
             with self.transaction() as c:
+                if then is not None:
+                    records = [*records, *then(c)]
+                rows = [(r.body, r.type, priority_of(r.type), now_ms) for r in records]
+                added = sum(len(r.body) for r in records)
                 if rows:
                     c.executemany("INSERT INTO records(body, type, priority, time_ms) VALUES (?, ?, ?, ?)", rows)
                 if state is not None:
@@ -263,8 +269,6 @@ class Store:
                     ])
                 if inbox_ids:
                     c.executemany("DELETE FROM inbox WHERE id = ?", [(i,) for i in inbox_ids])
-                if then is not None:
-                    then(c)
                 if self.size + added > self.max_size:
                     added -= self._evict(c, self.size + added - self.max_size)
         except StoreError:

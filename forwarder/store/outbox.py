@@ -17,7 +17,7 @@ class Outbox(Protocol):
     """Takes records with the state they came from, in one transaction. Raises ForwarderError if not."""
 
     def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = (),
-               then: Callable[[sqlite3.Connection], None] | None = None) -> None: ...
+               then: Callable[[sqlite3.Connection], Sequence[Record]] | None = None) -> None: ...
 
     def inbox(self) -> list[tuple[int, object]]:
         """Audit entries other processes queued in the store (``sefwd approve``): (row id, entry)."""
@@ -32,7 +32,7 @@ class StoreOutbox:
         self._inbox_pending = True  # entries queued while no agent ran
 
     def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = (),
-               then: Callable[[sqlite3.Connection], None] | None = None) -> None:
+               then: Callable[[sqlite3.Connection], Sequence[Record]] | None = None) -> None:
         """The records and the state they came from are durable when this returns."""
         self.store.commit(records, state, inbox_ids=inbox_ids, then=then)
 
