@@ -49,8 +49,8 @@ def action_audit(outcome: str, reason: str, action: Action | NewAction, *, actio
     }
     actor = fields.pop("actor", None) or action.actor or ("hook" if action.kind in (HOOK, UNDO) else "policy")
     fields.setdefault("DocumentIncarnation", action.incarnation)
-    return audit_entry(outcome, actor, reason, EventIds=[action.event_id], Rule=action.rule, Action=info,
-                       DryRun=action.dry_run, **fields)
+    fields.setdefault("DryRun", action.dry_run)
+    return audit_entry(outcome, actor, reason, EventIds=[action.event_id], Rule=action.rule, Action=info, **fields)
 
 
 def hook_due(spec: HookSpec | Rule, event: Event, now: float) -> float:

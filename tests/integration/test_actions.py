@@ -154,7 +154,7 @@ scheduled = ["{hook}"]
                                                            for r in action_rows(tmp_path))
             started = time.monotonic()
             assert agent.terminate() == 0
-            print(f"stopped with 51 hooks running in {time.monotonic() - started:.1f} s")
+            print(f"stopped with 50 hooks running in {time.monotonic() - started:.1f} s")
         finally:
             if agent.alive():
                 agent.kill()
