@@ -544,7 +544,7 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
         return EXIT_OK
     from forwarder.delivery.resend import replay
 
-    return replay(config, args.sink, timeout=args.timeout, json_out=args.json)
+    return replay(config.sinks, config.state.dir, args.sink, timeout=args.timeout, json_out=args.json)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
