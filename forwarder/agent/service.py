@@ -113,24 +113,25 @@ class Agent:
         if not (ap.rules or ap.hooks or ap.callback):
             return
         from forwarder.approval.approver import Approver
+        from forwarder.approval.planner import Planner
+        from forwarder.approval.runner import ActionRunner
 
-        if ap.rules or ap.hooks:  # actions: planned in the poller's commits, run by workers from the store
-            from forwarder.approval.planner import Planner
-            from forwarder.approval.runner import ActionRunner
-
-            planner = Planner(ap, lambda: poller.factory.vm, store)
-            poller.plan = planner.plan
-            if poller.current is not None:  # resumed: the saved document may hold events never acted on
-                document = poller.current
-                planner.reconsider(document, lambda change: poller.factory.preview(change, document), store.approved)
-            # Each worker its own IMDS client: a client's pooled connections are not shared.
-            self.actions = ActionRunner(ap, store, lambda: ImdsClient.from_config(self.config.imds, stop=self.stop),
-                                        lambda: poller.factory.vm, self.stop).start()
-            poller.on_changes = self.actions.wake
+        # Actions: planned in the poller's commits, run by workers from the store (also the callback's
+        # approvals a crash left posting, resolved by asking IMDS).
+        planner = Planner(ap, lambda: poller.factory.vm, store)
+        poller.plan = planner.plan
+        if poller.current is not None:  # resumed: the saved document may hold events never acted on
+            document = poller.current
+            planner.reconsider(document, lambda change: poller.factory.preview(change, document), store.approved)
+        # Each worker its own IMDS client: a client's pooled connections are not shared.
+        self.actions = ActionRunner(ap, store, lambda: ImdsClient.from_config(self.config.imds, stop=self.stop),
+                                    lambda: poller.factory.vm, self.stop).start()
+        poller.on_changes = self.actions.wake
         # Its own IMDS client: approvals run on other threads, and a client's pooled connections are not shared.
         client = ImdsClient.from_config(self.config.imds, stop=self.stop)
         self.approver = approver = Approver(ap, client, lambda: poller.factory.vm, poller.submit_audit,
                                             self.config.state.dir, self.stop)
+        approver.actions = store  # callback approvals: an action row marked posting before the POST
         if ap.callback is not None:
             from forwarder.approval.approver import audit_entry
             from forwarder.approval.callback import CallbackServer, Verdict

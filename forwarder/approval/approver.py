@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any
 
 from forwarder.approval.settings import ApprovalConfig
 from forwarder.approval.scope import scope_refusal
-from forwarder.imds.document import parse_document
+from forwarder.imds.document import Event, parse_document
 from forwarder.errors import DocumentError, ForwarderError, ImdsError
 from forwarder.imds.identity import VmIdentity
 from forwarder.imds.client import ImdsClient
@@ -125,6 +126,11 @@ class Approver:
         self.approved = ApprovedLog(state_dir)
         self._lock = threading.Lock()  # one fresh GET + POST at a time
         self.posts = 0
+        # The agent's store: an approval asked for now (the callback) is an action row marked
+        # posting before its POST, and its outcome and audit commit together (crash-safe).
+        self.actions: Store | None = None
+        self._rows: list[int] = []
+        self._actor = ""
 
     # -- the one way to approve ----------------------------------------------------------
     def approve(
@@ -143,15 +149,54 @@ class Approver:
         ids = tuple(dict.fromkeys(event_ids))
         common = dict(EventIds=list(ids), Approver=approver, Rule=rule, Client=client, Hook=hook)
         with self._lock:
+            self._rows, self._actor = [], actor
             attempt, incarnation, imds_status = self._attempt(ids, scope or self.config.scope)
-        detail = attempt.detail or (reason or "")
-        self.audit(audit_entry(
-            attempt.outcome, actor, attempt.reason, Detail=detail or None, HttpStatus=attempt.status if actor == "callback" else None,
-            ImdsStatus=imds_status, DocumentIncarnation=incarnation, **common,
-        ))
+            detail = attempt.detail or (reason or "")
+            entry = audit_entry(
+                attempt.outcome, actor, attempt.reason, Detail=detail or None,
+                HttpStatus=attempt.status if actor == "callback" else None,
+                ImdsStatus=imds_status, DocumentIncarnation=incarnation, **common,
+            )
+            if not self._finish_rows(entry, attempt):
+                self.audit(entry)
         level = logging.INFO if attempt.outcome == APPROVED else logging.WARNING
         log.log(level, "approval by %s%s of %s: %s (%s)", actor, f" ({approver})" if approver else "", ", ".join(ids), attempt.outcome, attempt.reason)
         return attempt
+
+    def _mark_posting(self, events: Sequence[Event], incarnation: Any) -> None:
+        """One action row per event, committed ``running``/``posting`` before the POST."""
+        if self.actions is None:
+            return
+        from forwarder.store import actions as rows
+
+        now = time.time()
+        try:
+            with self.actions.transaction() as c:
+                self._rows = [rows.insert_posting(c, rows.NewAction(
+                    kind=rows.APPROVE, event_id=e.event_id, change=self._actor, event=dict(e.raw), due=now,
+                    deadline=e.not_before.timestamp() if e.not_before else None, actor=self._actor,
+                    incarnation=incarnation), now) for e in events]
+        except ForwarderError as exc:  # the approval still goes out; only its crash-safety is lost
+            log.error("could not record the approval as an action before posting: %s", exc)
+            self._rows = []
+
+    def _finish_rows(self, entry: dict[str, Any], attempt: Attempt) -> bool:
+        """The outcome of the rows and the audit entry in one transaction; False if there are no rows."""
+        if not self._rows or self.actions is None:
+            return False
+        from forwarder.store import actions as rows
+
+        state = rows.DONE if attempt.outcome == APPROVED else rows.FAILED
+        result = {"Outcome": attempt.outcome, "Reason": attempt.reason, "Detail": attempt.detail or None}
+        try:
+            with self.actions.transaction() as c:
+                for action_id in self._rows:
+                    rows.finish(c, action_id, state, result, time.time())
+                self.actions.inbox_put(c, entry)
+        except ForwarderError as exc:
+            log.error("could not commit the outcome of the approval with its audit: %s", exc)
+            return False
+        return True
 
     def _attempt(self, ids: tuple[str, ...], scope: str) -> tuple[Attempt, Any, int | None]:
         if not ids:
@@ -183,6 +228,7 @@ class Approver:
             return Attempt(REFUSED, reasons[0] if len(reasons) == 1 else "several_reasons", 422, refused=refused), document.incarnation, None
         if not to_post:
             return Attempt(APPROVED, "already_approved", 200, already_approved=tuple(already)), document.incarnation, None
+        self._mark_posting([events[e.lower()] for e in to_post], document.incarnation)
         try:
             self.posts += 1
             self.imds.start_requests(to_post)

@@ -300,7 +300,9 @@ class ActionRunner:
         if changed:
             return SUPERSEDED, "event_changed", f"changed since the rule saw it: {', '.join(changed)}"
         decision = decide(self.config.rules, current, self.vm())
-        if decision.action != APPROVE or decision.rule != action.rule:
+        if action.rule is None:  # asked for by the callback: no rule to re-check, only the event and the scope
+            pass
+        elif decision.action != APPROVE or decision.rule != action.rule:
             return SUPERSEDED, "rule_no_longer_matches", f"the policy now says {decision.action} (rule {decision.rule})"
         why = scope_refusal(current, self.vm(), self.config.scope)
         if why is not None:

@@ -140,6 +140,13 @@ def insert(c: sqlite3.Connection, action: NewAction, now: float) -> int:
     return int(cur.lastrowid or 0)
 
 
+def insert_posting(c: sqlite3.Connection, action: NewAction, now: float) -> int:
+    """An approval asked for now (the callback): inserted ``running`` and ``posting`` at once."""
+    action_id = insert(c, action, now)
+    c.execute("UPDATE actions SET state = 'running', phase = ?, attempts = 1 WHERE id = ?", (POSTING, action_id))
+    return action_id
+
+
 def rows(c: sqlite3.Connection, where: str = "", args: tuple[Any, ...] = ()) -> list[Action]:
     sql = _SELECT + (f" WHERE {where}" if where else "") + " ORDER BY id"
     return [Action.from_row(r) for r in c.execute(sql, args).fetchall()]
@@ -193,7 +200,7 @@ def mark_posting(store: Store, action_id: int, now: float) -> None:
 
 
 def release(store: Store, action_id: int, due: float, now: float) -> None:
-    """A running row goes back to ``due`` (interrupted by a stop, or to be retried at ``due``)."""
+    """A running row goes back to ``planned`` until ``due`` (interrupted by a stop, or retried later)."""
     with store.transaction() as c:
         c.execute("UPDATE actions SET state = 'planned', due = ?, updated = ? WHERE id = ? AND state = 'running'",
                   (due, now, action_id))

@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sqlite3
+import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import orjson
+import requests
 
 from forwarder.emulator import Emulator
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.integration.test_callback_agent import SECRET as CB_SECRET
+from tests.integration.test_callback_agent import body_for, signed
 from tests.integration.test_cli import sefwd
 
 SECRET = "whsec_" + "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3I="
@@ -377,3 +382,40 @@ secret_env = "SEFWD_CALLBACK_SECRET"
     for secret in (SECRET, "hunter2", "SIGVALUE", "KEYVALUE"):
         assert secret not in output and secret not in orjson.dumps(read_jsonl(out)).decode()
     assert "sig=***" in output and "SharedAccessKey=***" in output and "leaked ***" in output
+
+
+def test_sigkill_after_a_callback_approval_was_posted_records_it_once_after_restart(tmp_path):
+    """The signed callback's approval is an action row too: marked posting before the POST."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    approval = f'[approval.callback]\nlisten = "127.0.0.1:{port}"\nsecret_env = "CB_SECRET"\n'
+
+    with Emulator(vms=["myVM"], rate_limit=None) as emu:
+        cfg = config(tmp_path, emu, approval)
+        out = tmp_path / "out.jsonl"
+        emu.inject_fault("drip", path="scheduledevents", method="POST", delay=5)
+        agent = AgentProcess(cfg, tmp_path / "a1.log", env={"CB_SECRET": CB_SECRET})
+        event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600, complete_after=600)
+        wait_until(lambda: any(r["subject"] == event_id for r in read_jsonl(out)), 60, "scheduled")
+        body = body_for(event_id, approver="ops")
+
+        def ask() -> None:
+            try:
+                requests.post(f"http://127.0.0.1:{port}/approvals", data=body, headers=signed(body), timeout=60)
+            except requests.RequestException:
+                pass  # the agent dies before it answers
+
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        wait_until(lambda: posts(emu), 60, "the POST accepted")
+        agent.kill()
+        asking.join(30)
+        assert audits(out, "approved") == []
+        agent = AgentProcess(cfg, tmp_path / "a2.log", env={"CB_SECRET": CB_SECRET})
+        wait_until(lambda: audits(out, "approved", event_id), 60, "the outcome after the restart")
+        assert agent.terminate() == 0
+    (approved,) = audits(out, "approved", event_id)
+    assert approved["data"]["Reason"] == "approved_before_restart" and approved["data"]["Actor"] == "callback"
+    assert posts(emu) == [[event_id]]
+    assert [(r["kind"], r["actor"], r["state"]) for r in action_rows(tmp_path)] == [("approve", "callback", "done")]
