@@ -230,7 +230,7 @@ def outcomes(store: Store) -> dict[tuple[str, str], int]:
     out: dict[tuple[str, str], int] = {}
     finals = ",".join(f"'{s}'" for s in FINAL_STATES)
     for kind, outcome, n in store.query(
-            f"SELECT kind, coalesce(json_extract(result, '$.Outcome'), state), count(*) FROM actions "
+            f"SELECT kind, coalesce(json_extract(CAST(result AS TEXT), '$.Outcome'), state), count(*) FROM actions "
             f"WHERE state IN ({finals}) GROUP BY 1, 2"):
         out[(str(kind), str(outcome))] = int(n)
     return out
