@@ -155,7 +155,8 @@ class Approver:
             entry = audit_entry(
                 attempt.outcome, actor, attempt.reason, Detail=detail or None,
                 HttpStatus=attempt.status if actor == "callback" else None,
-                ImdsStatus=imds_status, DocumentIncarnation=incarnation, **common,
+                ImdsStatus=imds_status, DocumentIncarnation=incarnation,
+                DryRun=True if attempt.reason == "dry_run" else None, **common,
             )
             if not self._finish_rows(entry, attempt):
                 self.audit(entry)
@@ -228,6 +229,9 @@ class Approver:
             return Attempt(REFUSED, reasons[0] if len(reasons) == 1 else "several_reasons", 422, refused=refused), document.incarnation, None
         if not to_post:
             return Attempt(APPROVED, "already_approved", 200, already_approved=tuple(already)), document.incarnation, None
+        if self.config.dry_run and self._actor == "callback":  # (`sefwd approve` is an explicit command)
+            return Attempt(HELD, "dry_run", 409, detail=f"dry run: would post StartRequests for {', '.join(to_post)}"), \
+                document.incarnation, None
         self._mark_posting([events[e.lower()] for e in to_post], document.incarnation)
         try:
             self.posts += 1

@@ -18,7 +18,7 @@ from typing import Any
 from forwarder.approval.approver import HELD, audit_entry
 from forwarder.approval.policy import APPROVE, HOLD, decide
 from forwarder.approval.settings import UNDO_KINDS, ApprovalConfig, HookSpec, Rule
-from forwarder.imds.differ import SCHEDULED, TERMINAL_KINDS, UPDATED, Change
+from forwarder.imds.differ import SCHEDULED, STARTED, TERMINAL_KINDS, UPDATED, Change
 from forwarder.imds.document import Document, Event
 from forwarder.imds.identity import VmIdentity
 from forwarder.records import rfc3339
@@ -90,7 +90,7 @@ class Planner:
                      now: float) -> None:
         event = change.event
         replan: list[str] = []
-        if change.kind == UPDATED or change.kind in TERMINAL_KINDS:
+        if change.kind in (UPDATED, STARTED) or change.kind in TERMINAL_KINDS:
             reason = "event_updated" if change.kind == UPDATED else f"event_{change.kind}"
             for old in self._supersede(c, event.event_id, reason, now):
                 if change.kind == UPDATED and old.kind == HOOK and old.hook and old.hook not in replan:

@@ -43,6 +43,7 @@ MIN_HOOK_TIMEOUT = 1.0  # a hook started after its deadline still gets this long
 MAX_ATTEMPTS = 5  # an action that keeps ending the agent (or failing to reach IMDS) gives up
 IMDS_RETRY = 5.0  # an approval whose fresh document could not be read is tried again this much later
 IDLE_WAIT = 30.0
+KEEP_FINISHED = 30 * 86400.0  # finished rows are forgotten after this long (checked hourly)
 
 
 class ActionRunner:
@@ -101,10 +102,14 @@ class ActionRunner:
 
     # -- scheduler ---------------------------------------------------------------------------
     def _schedule(self) -> None:
+        next_prune = 0.0
         while not self.stop.is_set():
             wait = IDLE_WAIT
             try:
                 now = self.clock()
+                if now >= next_prune:
+                    next_prune = now + 3600.0
+                    rows.prune(self.store, now - KEEP_FINISHED)
                 nxt = rows.next_due(self.store)
                 if nxt is not None and nxt <= now:
                     rows.promote(self.store, now)

@@ -212,6 +212,13 @@ def recover(store: Store, now: float) -> int:
         return c.execute("UPDATE actions SET state = 'due', updated = ? WHERE state = 'running'", (now,)).rowcount
 
 
+def prune(store: Store, before: float) -> int:
+    """Forget finished actions last changed before ``before`` (their audit records stay in the sinks)."""
+    finals = ",".join(f"'{s}'" for s in FINAL_STATES)
+    with store.transaction() as c:
+        return c.execute(f"DELETE FROM actions WHERE state IN ({finals}) AND updated < ?", (before,)).rowcount
+
+
 def next_due(store: Store) -> float | None:
     row = store.query("SELECT min(due) FROM actions WHERE state = 'planned'")
     return float(row[0][0]) if row and row[0][0] is not None else None

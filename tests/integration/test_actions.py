@@ -287,17 +287,29 @@ scheduled = {{ command = ["{hook}"], at = "notbefore - 2m" }}
 def test_dry_run_plans_and_audits_but_performs_nothing(tmp_path):
     marker = tmp_path / "hook-ran"
     hook = script(tmp_path, "drain.sh", f"touch {marker}\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     approval = f'''
 [approval.hooks]
 scheduled = ["{hook}"]
+[approval.callback]
+listen = "127.0.0.1:{port}"
+secret_env = "CB_SECRET"
 {USER_RULE}
 after_hooks = true
 '''
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
-        agent = AgentProcess(config(tmp_path, emu, approval), tmp_path / "a.log", args=("run", "--dry-run"))
+        agent = AgentProcess(config(tmp_path, emu, approval), tmp_path / "a.log", args=("run", "--dry-run"),
+                             env={"CB_SECRET": CB_SECRET})
         out = tmp_path / "out.jsonl"
         event_id = emu.schedule(type="Reboot", source="User", resources=["myVM"], start_after=600)
         wait_until(lambda: len(audits(out, "skipped", event_id)) == 2, 60, "both actions skipped")
+        body = body_for(event_id, approver="ops")
+        answer = requests.post(f"http://127.0.0.1:{port}/approvals", data=body, headers=signed(body), timeout=30)
+        assert (answer.status_code, answer.json()["reason"]) == (409, "dry_run")
+        (held,) = wait_until(lambda: audits(out, "held", event_id), 60, "the callback's dry run audited")
+        assert held["data"]["DryRun"] is True and "would post" in held["data"]["Detail"]
         assert agent.terminate() == 0
         assert "dry run: " in agent.logs()
     assert not marker.exists() and posts(emu) == []
