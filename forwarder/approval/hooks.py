@@ -57,7 +57,7 @@ class HookResult:
     def to_audit(self) -> dict[str, Any]:
         """The ``Hook`` object of an approval.* record."""
         return {
-            "Command": self.command,
+            "Command": redact_output(self.command),  # a token in an argument stays out of the record too
             "ExitCode": self.exit_code,
             "TimedOut": self.timed_out,
             "Output": self.output,

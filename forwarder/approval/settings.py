@@ -11,7 +11,9 @@ CHANGE_KINDS = ("scheduled", "started", "updated", "completed", "canceled", "end
 UNDO_KINDS = ("completed", "canceled", "ended")  # their hooks are undo actions: run once per event, to completion
 # What a hook inherits from the agent's environment besides its SEFWD_* event variables; the
 # operator adds names with hook_env (never the agent's secrets by default).
-HOOK_ENV_DEFAULT = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR")
+HOOK_ENV_DEFAULT = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR",
+                    # Windows programs need these to start at all
+                    "SYSTEMROOT", "WINDIR", "COMSPEC", "PATHEXT", "TEMP", "TMP")
 
 
 @dataclass(frozen=True)
