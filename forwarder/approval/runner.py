@@ -198,7 +198,7 @@ class ActionRunner:
             timeout = min(timeout, max(MIN_HOOK_TIMEOUT, action.deadline - self.config.deadline_margin - now))
         end = datetime.fromtimestamp(now + timeout, timezone.utc)
         return timeout, {"SEFWD_DEADLINE": rfc3339(end) or "", "SEFWD_SECONDS_LEFT": str(int(timeout)),
-                         "SEFWD_ACTION_ID": str(action.id), "SEFWD_DRY_RUN": "false"}
+                         "SEFWD_ACTION_ID": str(action.id)}
 
     def _hook(self, action: Action) -> None:
         spec = self.config.hooks.get(action.hook or "")
@@ -211,6 +211,9 @@ class ActionRunner:
                 Detail=f"would run: {describe_command(spec.command)}"))
             return
         now = self.clock()
+        if self.stop.is_set():  # taken just as the agent stops: it runs at the next start
+            rows.release(self.store, action.id, now, now)
+            return
         timeout, env = self.hook_limits(action, now)
         result = run_hook(spec.command, action.record or {}, timeout=timeout, output_limit=self.config.hook_output_limit,
                           stop=self.stop, extra_env=env, env_allow=self.config.hook_env)

@@ -147,14 +147,16 @@ scheduled = ["{hook}"]
                                             and r["type"] == "scheduledevent.scheduled"], 30, "the new event's record")
             late = epoch(record["time"]) - scheduled_at
             print(f"new event recorded {late:.3f} s after it appeared, with 50 hooks running")
-            assert late <= 1.0 + 0.5  # one poll interval (and the clock's rounding)
+            # One poll interval (1 s) when the machine is idle; the slack is for a loaded test machine.
+            # Before actions were rows, the poll loop waited for the hooks: not recorded within 120 s.
+            assert late <= 1.0 + 2.0
             wait_until(lambda: [r for r in read_jsonl(out) if r["type"] == "forwarder.heartbeat"
                                 and epoch(r["time"]) > busy_since + 6], 30, "heartbeats while busy")
             beats = [epoch(r["time"]) for r in read_jsonl(out) if r["type"] == "forwarder.heartbeat"
                      and epoch(r["time"]) > busy_since]
             gaps = [b - a for a, b in zip(beats, beats[1:])]
             print("heartbeat gaps:", [round(g, 2) for g in gaps])
-            assert beats and max(gaps, default=0) <= 2 + 1 + 1.5  # every 2 s, polled every 1 s
+            assert beats and max(gaps, default=0) <= 2 + 1 + 3  # every 2 s, checked every poll (1 s); slack for load
             assert len(list(pids.iterdir())) == 50 and all(r["state"] in ("running", "due", "planned", "done")
                                                            for r in action_rows(tmp_path))
             started = time.monotonic()
