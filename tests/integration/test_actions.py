@@ -181,6 +181,24 @@ action = "approve"
 '''
 
 
+def test_sigkill_before_the_approval_was_taken_posts_once_after_restart(tmp_path):
+    rule = USER_RULE + 'delay = "3s"\n'
+    with Emulator(vms=["myVM"], rate_limit=None) as emu:
+        cfg = config(tmp_path, emu, rule)
+        out = tmp_path / "out.jsonl"
+        agent = AgentProcess(cfg, tmp_path / "a1.log")
+        event_id = emu.schedule(type="Reboot", source="User", resources=["myVM"], start_after=600)
+        wait_until(lambda: audits(out, "planned", event_id), 60, "the approval planned")
+        agent.kill()
+        assert posts(emu) == [] and [r["state"] for r in action_rows(tmp_path)] == ["planned"]
+        agent = AgentProcess(cfg, tmp_path / "a2.log")
+        wait_until(lambda: audits(out, "approved", event_id), 60, "the approval after the restart")
+        assert agent.terminate() == 0
+    (approved,) = audits(out, "approved", event_id)
+    assert approved["data"]["Reason"] == "approved" and posts(emu) == [[event_id]]
+    assert len(audits(out, "planned", event_id)) == 1  # planned once, not again at the restart
+
+
 def test_sigkill_while_the_post_is_in_flight_unanswered_posts_once_after_restart(tmp_path):
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         cfg = config(tmp_path, emu, USER_RULE)
