@@ -88,7 +88,7 @@ class ActionRunner:
         """Something was planned or finished: look at the store now."""
         self._wake.set()
 
-    def close(self, timeout: float = 15.0) -> None:
+    def close(self, timeout: float = 8.0) -> None:
         """Stop (``stop`` must be set): running hooks are terminated and their rows left to rerun."""
         self._wake.set()
         with self._work:
