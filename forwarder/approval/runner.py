@@ -283,13 +283,36 @@ class ActionRunner:
             return
         rows.mark_posting(self.store, action.id, self.clock())
         try:
-            client.start_requests([current.event_id])
+            # One request's time: the client does not send the POST again on its own (a lost answer
+            # may hide an accepted POST); this worker asks IMDS before any further attempt.
+            client.start_requests([current.event_id], deadline=client.timeout)
         except ImdsError as exc:
+            if self._started(client, current.event_id):
+                # No answer (a timeout, a dropped connection) or an error, but IMDS did act on the POST.
+                self._finish(action, rows.DONE, action_audit(
+                    APPROVED, "approved_unanswered", action, state=rows.DONE, **fields,
+                    Detail=f"the POST failed ({exc}) but IMDS shows the event Started"), approved=current.event_id)
+                return
+            if exc.retryable and action.attempts < MAX_ATTEMPTS and (
+                    action.deadline is None or self.clock() + IMDS_RETRY < action.deadline):
+                log.warning("action %d: the approval POST failed (%s); asking IMDS again in %gs", action.id, exc, IMDS_RETRY)
+                rows.release(self.store, action.id, self.clock() + IMDS_RETRY, self.clock())
+                return
             self._finish(action, rows.FAILED, action_audit(FAILED, "imds_post_failed", action, state=rows.FAILED,
                                                            Detail=str(exc), **{**fields, "ImdsStatus": exc.status}))
             return
         self._finish(action, rows.DONE, action_audit(APPROVED, "approved", action, state=rows.DONE, ImdsStatus=200, **fields),
                      approved=current.event_id)
+
+    @staticmethod
+    def _started(client: ImdsClient, event_id: str) -> bool:
+        """Whether IMDS shows the event Started now (False when it cannot say)."""
+        try:
+            client.forget_etag()
+            document = parse_document(client.scheduled_events().body or b"")
+        except (ImdsError, DocumentError):
+            return False
+        return any(e.event_id.lower() == event_id.lower() and e.started for e in document.events)
 
     def _get(self, action_id: int) -> Action | None:
         with self.store.transaction() as c:

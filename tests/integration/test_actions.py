@@ -199,6 +199,24 @@ def test_sigkill_before_the_approval_was_taken_posts_once_after_restart(tmp_path
     assert len(audits(out, "planned", event_id)) == 1  # planned once, not again at the restart
 
 
+def test_an_unanswered_post_is_resolved_by_asking_imds_never_by_posting_again(tmp_path):
+    with Emulator(vms=["myVM"], rate_limit=None) as emu:
+        out = tmp_path / "out.jsonl"
+        # Accepted by the platform (the event starts), but the answer trickles past the client's 5 s.
+        emu.inject_fault("drip", path="scheduledevents", method="POST", delay=5)
+        agent = AgentProcess(config(tmp_path, emu, USER_RULE), tmp_path / "a.log")
+        event_id = emu.schedule(type="Reboot", source="User", resources=["myVM"], start_after=600, complete_after=600)
+        (approved,) = wait_until(lambda: audits(out, "approved", event_id), 60, "the outcome")
+        # and a POST IMDS never received (held, then dropped) is tried again once IMDS says Scheduled
+        emu.inject_fault("hang", path="scheduledevents", method="POST", delay=30)
+        second = emu.schedule(type="Reboot", source="User", resources=["myVM"], start_after=600, complete_after=600)
+        (again,) = wait_until(lambda: audits(out, "approved", second), 60, "the second event's outcome")
+        assert agent.terminate() == 0
+    assert approved["data"]["Reason"] == "approved_unanswered"
+    assert again["data"]["Reason"] == "approved" and again["data"]["Action"]["Attempts"] == 2
+    assert posts(emu) == [[event_id], [second]]  # one accepted POST each: no blind second POST
+
+
 def test_sigkill_while_the_post_is_in_flight_unanswered_posts_once_after_restart(tmp_path):
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         cfg = config(tmp_path, emu, USER_RULE)
