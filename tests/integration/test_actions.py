@@ -58,12 +58,14 @@ def script(tmp_path: Path, name: str, body: str) -> Path:
     return path
 
 
-def kill_pids(paths: list[Path]) -> None:
-    """Hooks a SIGKILLed agent left behind (they lead their own process groups)."""
+def kill_pids(paths: list[Path], script_name: str) -> None:
+    """Hooks a SIGKILLed agent left behind (they lead their own process groups): only a process
+    still running ``script_name`` is signalled (a pid may have been reused since)."""
     for path in paths:
         try:
             pid = int(path.read_text().split()[0])
-            os.killpg(pid, signal.SIGKILL)
+            if script_name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.killpg(pid, signal.SIGKILL)
         except (OSError, ValueError, IndexError):
             pass
 
@@ -165,7 +167,7 @@ scheduled = ["{hook}"]
         finally:
             if agent.alive():
                 agent.kill()
-            kill_pids(list(pids.iterdir()))
+            kill_pids(list(pids.iterdir()), "long.sh")
     # Stopped hooks are left to run again at the next start, not recorded as failed.
     assert not [a for a in audits(out, "ran")]
     assert {r["state"] for r in action_rows(tmp_path)} <= {"planned", "due"}
@@ -385,7 +387,7 @@ completed = ["{hook}"]
             emu.cancel(event_id)
             wait_until(lambda: pid.is_file() and pid.read_text().strip(), 60, "the undo hook running")
             agent.kill()
-            kill_pids([pid])  # (the hook outlived the agent: it leads its own process group)
+            kill_pids([pid], "undo.sh")  # (the hook outlived the agent: it leads its own process group)
             assert audits(out, "ran") == []
             agent = AgentProcess(cfg, tmp_path / "a2.log")
             (ran,) = wait_until(lambda: audits(out, "ran", event_id), 60, "the undo hook run again")
@@ -398,7 +400,7 @@ completed = ["{hook}"]
         finally:
             if agent.alive():
                 agent.kill()
-            kill_pids([pid])
+            kill_pids([pid], "undo.sh")
     assert runs.read_text().split() == [event_id, event_id]  # killed once, finished once, never again
     assert ran["data"]["Reason"] == "hook_ok" and "uncordoned" in ran["data"]["Hook"]["Output"]
     assert ran["data"]["Action"]["Kind"] == "undo" and ran["data"]["Action"]["Attempts"] == 2
