@@ -71,7 +71,6 @@ class ActionRunner:
         self._wake = threading.Event()
         self._work = threading.Condition()
         self._threads: list[threading.Thread] = []
-        self.busy = 0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> ActionRunner:
@@ -115,8 +114,10 @@ class ActionRunner:
                 if nxt is not None and nxt <= now:
                     rows.promote(self.store, now)
                     nxt = rows.next_due(self.store)
-                if nxt is not None:  # (still planned at its time: waiting for the hook before it)
-                    wait = min(1.0, max(0.05, nxt - self.clock()))
+                if nxt is not None:
+                    # (a row still planned at its time waits for the hook before it: look again soon)
+                    left = nxt - self.clock()
+                    wait = 1.0 if left <= 0 else min(IDLE_WAIT, max(0.05, left))
                 waiting = self.store.query("SELECT count(*) FROM actions WHERE state = 'due'")[0][0]
                 if waiting:
                     with self._work:
@@ -143,11 +144,9 @@ class ActionRunner:
                     continue
                 if client is None and action.kind == APPROVE_KIND:
                     client = self._imds()
-                self.busy += 1
                 try:
                     self._execute(action, client)
                 finally:
-                    self.busy -= 1
                     self.wake()
         finally:
             if client is not None:
