@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "2 config error")
     _add_config_arg(p)
     p.add_argument("--pretty", action="store_true", help="human-readable stdout sink output")
+    p.add_argument("--dry-run", action="store_true",
+                   help="plan, audit and log every hook and approval, perform none ([approval] dry_run = true)")
 
     p = _command(sub, "once", "poll IMDS once and print the current events as records",
                  "One GET of the Scheduled Events document, printed as records (one JSON line each) "
@@ -208,6 +210,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from forwarder.agent.service import Agent
 
     config = load_config(args.config)
+    if args.dry_run:
+        import dataclasses
+
+        config = dataclasses.replace(config, approval=dataclasses.replace(config.approval, dry_run=True))
     _setup_logging(args, config.agent.log_level)
     stop = threading.Event()
     _install_signals(stop)
@@ -568,7 +574,7 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
         return EXIT_OK
     from forwarder.delivery.resend import replay
 
-    return replay(config, args.sink, timeout=args.timeout, json_out=args.json)
+    return replay(config.sinks, config.state.dir, args.sink, timeout=args.timeout, json_out=args.json)
 
 
 def cmd_config(args: argparse.Namespace) -> int:

@@ -737,6 +737,7 @@ def describe(config: Config) -> str:
         f"approval: scope {approval.scope}, {len(approval.rules)} rule(s)"
         f"{' (' + ', '.join(r.name for r in approval.rules) + ')' if approval.rules else ''}, "
         f"hooks: {', '.join(approval.hooks) or 'none'}, callback: {listen}"
+        + (", DRY RUN (nothing is performed)" if approval.dry_run else "")
     )
     telemetry = config.telemetry
     if telemetry.enabled:

@@ -231,16 +231,32 @@ APPROVAL_FLAT: dict[str, tuple[str, Any]] = {
               'first of the sorted Resources), "any", or "self_or_leader" (either of the first two).',
               "self_or_leader"),
     "hook_timeout": ("Hooks are killed (with their process group) after this long.", "5m"),
-    "hook_output_limit": ("Bytes of a hook's stdout+stderr kept in the audit record.", "4KiB"),
+    "hook_output_limit": ("Bytes of a hook's stdout+stderr kept in the audit record (redacted like a log line).",
+                          "4KiB"),
+    "dry_run": ("true: plan, audit and log every hook run and approval (marked DryRun), perform none "
+                "(also: sefwd run --dry-run).", False),
+    "deadline_margin": ("A hook for an event still to come must end this long before NotBefore: its timeout is "
+                        "the smaller of hook_timeout and the time left less this margin.", "5s"),
+    "workers": ("Actions (hook runs, approvals) running at once; more wait in the store, never in the poll loop "
+                "(no environment override).", 8),
+    "hook_env": ("Hooks inherit only PATH, HOME, LANG, LC_ALL, TZ and TMPDIR from the agent, plus the variables "
+                 "named here (no environment override); never the agent's secrets.", []),
 }
 HOOKS_DOC = (
     "A command per change kind ({kinds}; ended = gone with an unknown outcome; see data.Outcome and "
     "data.Evidence): a list runs without a shell, a string runs with /bin/sh -c. The record is on stdin as "
     "JSON; the event is in SEFWD_EVENT_ID, SEFWD_EVENT_TYPE, SEFWD_EVENT_STATUS, SEFWD_EVENT_SOURCE, "
     "SEFWD_EVENT_RESOURCES, SEFWD_EVENT_NOT_BEFORE, SEFWD_EVENT_DURATION, SEFWD_EVENT_DESCRIPTION, "
-    "SEFWD_CHANGE, SEFWD_AFFECTS_THIS_VM, SEFWD_RECORD_ID and SEFWD_RECORD_TYPE."
+    "SEFWD_CHANGE, SEFWD_AFFECTS_THIS_VM, SEFWD_RECORD_ID and SEFWD_RECORD_TYPE; its time is in SEFWD_DEADLINE "
+    "(RFC 3339) and SEFWD_SECONDS_LEFT. A table sets when and for which events: command, at "
+    "(\"notbefore - 2m\": not earlier than that; at once when the notice is shorter) and event_types. Hooks for "
+    "completed, canceled and ended are undo hooks: they run to completion once per event, again after a crash."
 )
-HOOKS_EXAMPLE = {"scheduled": ["/usr/local/bin/drain.sh", "--graceful"], "completed": "/usr/local/bin/undrain.sh"}
+HOOKS_EXAMPLE: dict[str, Any] = {
+    "scheduled": {"command": ["/usr/local/bin/drain.sh", "--graceful"], "at": "notbefore - 2m",
+                  "event_types": ["Reboot", "Redeploy", "Preempt"]},
+    "completed": "/usr/local/bin/undrain.sh",
+}
 RULES_DOC = (
     "Rules: the first that matches an event decides; without rules nothing is approved automatically (events "
     "start at NotBefore). Keys: {keys}. Every match key is optional (left out = any): event_type, "
@@ -248,7 +264,9 @@ RULES_DOC = (
     "(DurationInSeconds, inclusive; an event without it never matches a duration bound), affects_this_vm "
     "(true/false), resources_min / resources_max (how many Resources), description (a Python regex, "
     "searched). action: approve, hold or ignore; approve may add delay (\"30s\": wait, re-check the event, "
-    "then approve) and after_hooks (true: approve only if this change's hook exits 0). name (default "
+    "then approve), at (\"notbefore - 2m\": not earlier than that) and after_hooks (true: approve only if this "
+    "change's hook exits 0); event_types is another spelling of event_type. Right before posting, the event must "
+    "still be unchanged and matched by the rule, else the approval is superseded. name (default "
     "\"rules[<i>]\") appears in the audit records. These four reproduce the advanced sample of Microsoft's "
     "Scheduled Events documentation:"
 )
@@ -373,14 +391,15 @@ def _approval() -> list[str]:
     from forwarder.approval.config import APPROVAL_ENV_KEYS, APPROVAL_KEYS, CALLBACK_KEYS, ENV_PREFIX, RULE_KEYS
     from forwarder.approval.settings import CHANGE_KINDS
 
-    _checked("[approval]", APPROVAL_ENV_KEYS, APPROVAL_FLAT)
-    _checked("[approval] tables", set(APPROVAL_KEYS) - set(APPROVAL_ENV_KEYS), {"hooks", "rules", "callback"})
+    flat = [key for key in APPROVAL_KEYS if key not in ("hooks", "rules", "callback")]
+    _checked("[approval]", flat, APPROVAL_FLAT)
+    _checked("[approval] overrides", set(APPROVAL_ENV_KEYS) - set(flat), ())
     _checked("[approval.callback]", CALLBACK_KEYS, CALLBACK_KEYS_DOC)
     _checked("[approval.hooks]", CHANGE_KINDS, dict.fromkeys(CHANGE_KINDS))
     out = ["", "[approval]"]
     out += _comment(APPROVAL_DOC + f" Environment: {ENV_PREFIX}<KEY> overrides the keys of this table "
                     f"(e.g. {ENV_PREFIX}{APPROVAL_ENV_KEYS[0].upper()}); the tables below have no overrides.")
-    for key in APPROVAL_ENV_KEYS:
+    for key in flat:
         doc, value = APPROVAL_FLAT[key]
         out += _comment(doc)
         out.append(f"{key} = {toml_value(value)}")

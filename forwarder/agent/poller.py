@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sqlite3
 import threading
 import time
 import traceback
@@ -106,6 +107,9 @@ class Poller:
         self.inbox: deque[dict[str, Any]] = deque()
         self._inbox_failures, self._inbox_due = 0, 0.0  # failed inbox commits in a row; next try (monotonic)
         self.on_changes: Callable[[list[Change], list[Record]], None] | None = None
+        # Plans actions from committed changes inside their transaction (forwarder.approval.planner).
+        # It returns the audit entries of what it planned, committed as approval.* records with them.
+        self.plan: Callable[[sqlite3.Connection, list[Change], list[Record], Document], list[dict[str, Any]]] | None = None
         self.on_first_answer: Callable[[], None] | None = None  # e.g. rewrite the status report now
         # After every cycle's poll, with the committed document (the same object when nothing changed):
         # the maintenance state (forwarder.agent.maintenance) follows the commits and the clock.
@@ -159,7 +163,23 @@ class Poller:
                 built[:] = self.factory.for_changes(changes, document)
                 return built
 
-            committed = self._emit(build, document=document, body=body)
+            def plan(c: sqlite3.Connection) -> list[Record]:
+                if self.plan is None or not changes:
+                    return []
+                # The actions these changes call for, with their audit records, in the same transaction;
+                # a planning bug costs the plan (logged), never the records.
+                c.execute("SAVEPOINT plan")
+                sequence = self.factory.sequence
+                try:
+                    audit = [self.factory.approval(entry) for entry in self.plan(c, changes, built, document)]
+                except Exception:  # noqa: BLE001
+                    log.exception("could not plan actions for %d change(s); the records are committed without them", len(changes))
+                    c.execute("ROLLBACK TO plan")
+                    self.factory.sequence, audit = sequence, []
+                c.execute("RELEASE plan")
+                return audit
+
+            committed = self._emit(build, document=document, body=body, then=plan)
         finally:
             if self._last_body is not body:
                 # Not committed (the store refused, or the cycle failed): the next poll must fetch
@@ -234,7 +254,7 @@ class Poller:
             self._inbox_due = self._mono() + self._backoff.delay(self._inbox_failures - 1, self._rng)
 
     def _emit(self, build: Callable[[], list[Record]], *, document: Document | None = None, body: bytes | None = None,
-              inbox_ids: Sequence[int] = ()) -> bool:
+              inbox_ids: Sequence[int] = (), then: Callable[[sqlite3.Connection], list[Record]] | None = None) -> bool:
         """Commit the records with the state they came from in one transaction; False if the store refused."""
         sequence_before = self.factory.sequence
         records = build()
@@ -245,8 +265,14 @@ class Poller:
             vm=self.factory.vm.to_dict(),
             evidence=self._evidence_after(document),
         )
+        planned: Callable[[sqlite3.Connection], list[Record]] | None = None
+        if then is not None:
+            def planned(c: sqlite3.Connection) -> list[Record]:
+                extra = then(c)
+                new_state.sequence = self.factory.sequence  # the audit records of the plan are numbered too
+                return extra
         try:
-            self.outbox.commit(records, new_state, inbox_ids=inbox_ids)
+            self.outbox.commit(records, new_state, inbox_ids=inbox_ids, then=planned)
         except (OSError, ForwarderError) as exc:
             self.factory.sequence = sequence_before
             self.stats.outbox_errors += 1

@@ -27,6 +27,7 @@ from forwarder.agent.waiting import WaitNotice
 
 if TYPE_CHECKING:  # imported at run time only when approvals are configured
     from forwarder.approval.approver import Approver
+    from forwarder.approval.runner import ActionRunner
     from forwarder.approval.callback import ApprovalRequest, CallbackServer, Verdict
     from forwarder.approval.refusals import RefusalAggregator
     from forwarder.agent.probe import Maintenance
@@ -76,6 +77,7 @@ class Agent:
         self.poller: Poller | None = None
         self.dispatcher: Dispatcher | None = None
         self.approver: Approver | None = None
+        self.actions: ActionRunner | None = None
         self.callback: CallbackServer | None = None
         self.telemetry: AgentTelemetry = NO_TELEMETRY
         self.ready = threading.Event()
@@ -108,21 +110,31 @@ class Agent:
         dispatcher.start()
         return dispatcher
 
-    def _start_approvals(self, poller: Poller, imds: ImdsClient) -> None:
+    def _start_approvals(self, poller: Poller, store: Store) -> None:
         """Policy, hooks and the callback server, only when configured (none is by default)."""
         ap = self.config.approval
         if not (ap.rules or ap.hooks or ap.callback):
             return
         from forwarder.approval.approver import Approver
+        from forwarder.approval.planner import Planner
+        from forwarder.approval.runner import ActionRunner
 
+        # Actions: planned in the poller's commits, run by workers from the store (also the callback's
+        # approvals a crash left posting, resolved by asking IMDS).
+        planner = Planner(ap, lambda: poller.factory.vm, store)
+        poller.plan = planner.plan
+        if poller.current is not None:  # resumed: the saved document may hold events never acted on
+            document = poller.current
+            planner.reconsider(document, lambda change: poller.factory.preview(change, document), store.approved)
+        # Each worker its own IMDS client: a client's pooled connections are not shared.
+        self.actions = ActionRunner(ap, store, lambda: ImdsClient.from_config(self.config.imds, stop=self.stop),
+                                    lambda: poller.factory.vm, self.stop).start()
+        poller.on_changes = self.actions.wake
         # Its own IMDS client: approvals run on other threads, and a client's pooled connections are not shared.
         client = ImdsClient.from_config(self.config.imds, stop=self.stop)
         self.approver = approver = Approver(ap, client, lambda: poller.factory.vm, poller.submit_audit,
                                             self.config.state.dir, self.stop)
-        poller.on_changes = approver.on_changes
-        if poller.current is not None:  # resumed: the saved document may hold events never acted on
-            document = poller.current
-            approver.reconsider(document, lambda change: poller.factory.preview(change, document))
+        approver.actions = store  # callback approvals: an action row marked posting before the POST
         if ap.callback is not None:
             from forwarder.approval.approver import audit_entry
             from forwarder.approval.callback import CallbackServer, Verdict
@@ -230,7 +242,7 @@ class Agent:
                 )
                 # A loss found at start (self.loss) is announced by the poller's first turn: its
                 # forwarder.data_lost record waits in the store's inbox until it commits.
-                self._start_approvals(poller, imds)
+                self._start_approvals(poller, store)
                 reporter = StatusReporter(store, lambda: self.snapshot(dispatcher, poller), self.stop)
                 reporter.write()
                 reporter.start()
@@ -255,6 +267,8 @@ class Agent:
                     self.callback = None
                 if self.refusals is not None:
                     self.refusals.flush(force=True)
+                if self.actions is not None:  # hooks terminated, their rows left to run again at the next start
+                    self.actions.close()
                 poller.drain_inbox()
                 # Stopping: the stopped record must still get out, so do not let `stop` abort it.
                 poller.emit_lifecycle("stopped", Reason="shutdown", UptimeSeconds=poller.heartbeat_data()["UptimeSeconds"])
@@ -264,6 +278,9 @@ class Agent:
                     self.maintenance.stop()
                 if self.callback is not None:
                     self.callback.stop()
+                if self.actions is not None:
+                    self.stop.set()
+                    self.actions.close()
                 if self.approver is not None:
                     self.approver.imds.close()
                 dispatcher.close(cfg.agent.drain_timeout)

@@ -15,6 +15,8 @@ from forwarder import __version__
 from forwarder.errors import ForwarderError
 from forwarder.common.logs import RateLimitedLog, redact
 from forwarder.records import rfc3339, utcnow
+from forwarder.store.actions import STATES
+from forwarder.store.actions import counts as action_counts
 from forwarder.store.database import DB_FILE, Store
 
 STATUS_KEY = "status"
@@ -103,7 +105,7 @@ def read_status(state_dir: Path) -> dict[str, Any]:
     """Everything ``sefwd status`` shows, read from the store (works with the agent up or down)."""
     out: dict[str, Any] = {"state_dir": str(state_dir), "running": agent_running(state_dir), "agent": None,
                            "document_incarnation": None, "current_events": [], "dead_letters": {}, "backlog": {},
-                           "lost": {}}
+                           "lost": {}, "actions": {}}
     if not (state_dir / DB_FILE).is_file():
         return out
     try:
@@ -123,6 +125,7 @@ def read_status(state_dir: Path) -> dict[str, Any]:
         out["dead_letters"] = store.dead_counts()
         out["backlog"] = {s: store.backlog(s, n) for s, n in store.query("SELECT sink, next FROM cursors")}
         out["lost"] = store.losses()
+        out["actions"] = action_counts(store)
     except ForwarderError as exc:
         out["error"] = str(exc)
     finally:
@@ -211,6 +214,12 @@ def format_status(s: dict[str, Any]) -> str:
     extra = {k: v for k, v in s["dead_letters"].items() if k not in (agent.get("sinks") or {})}
     for name, n in extra.items():
         lines.append(f"  sink {name} (not configured now): dead letters {n}")
+    by_kind = s.get("actions") or {}
+    if by_kind:
+        totals = {state: sum(k.get(state, 0) for k in by_kind.values()) for state in STATES}
+        lines.append("actions: " + ", ".join(f"{state} {n}" for state, n in totals.items() if n)
+                     + " (" + "; ".join(f"{kind}: " + ", ".join(f"{st} {n}" for st, n in sorted(states.items()))
+                                        for kind, states in sorted(by_kind.items())) + ")")
     events = s.get("current_events") or []
     lines.append(f"current events (DocumentIncarnation {s.get('document_incarnation')}): {len(events)}")
     for e in events:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -286,9 +287,10 @@ class _ObservedOutbox:
         self._outbox = outbox
         self._telemetry = telemetry
 
-    def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = ()) -> None:
+    def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = (),
+               then: Callable[[sqlite3.Connection], Sequence[Record]] | None = None) -> None:
         try:
-            self._outbox.commit(records, state, inbox_ids=inbox_ids)
+            self._outbox.commit(records, state, inbox_ids=inbox_ids, then=then)
         except BaseException as exc:
             self._telemetry.observe_append(records, exc)
             raise

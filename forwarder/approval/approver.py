@@ -1,4 +1,5 @@
-"""Every approval attempt — policy, hook, CLI, callback — goes through ``Approver.approve``.
+"""Approvals asked for now — by the CLI and the signed callback — go through ``Approver.approve``
+(policy and hook approvals are action rows: forwarder.approval.planner and runner).
 
 It re-reads the document from IMDS right before posting, so an approval never names an event
 that is gone or already Started, applies the scope rule, posts StartRequests, and reports every
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,12 +17,10 @@ from typing import Any
 
 from forwarder.approval.settings import ApprovalConfig
 from forwarder.approval.scope import scope_refusal
-from forwarder.imds.differ import Change
-from forwarder.imds.document import Document, parse_document
+from forwarder.imds.document import Event, parse_document
 from forwarder.errors import DocumentError, ForwarderError, ImdsError
 from forwarder.imds.identity import VmIdentity
 from forwarder.imds.client import ImdsClient
-from forwarder.sinkapi import Record
 from forwarder.store.database import Store
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,8 @@ AUDIT_FIELDS = (
     "EventId", "EventIds", "Outcome", "Actor", "Approver", "Rule", "Reason", "Detail", "Client",
     "HttpStatus", "ImdsStatus", "Hook", "DocumentIncarnation",
     "Count",  # refused callback requests of one reason and client aggregated over a window
+    "Action", "DryRun",  # the action row behind a policy or hook audit (forwarder.approval.planner)
 )
-MAX_PARALLEL_TASKS = 8
 
 
 def audit_entry(outcome: str, actor: str, reason: str, **fields: Any) -> dict[str, Any]:
@@ -125,8 +125,12 @@ class Approver:
         self.stop = stop
         self.approved = ApprovedLog(state_dir)
         self._lock = threading.Lock()  # one fresh GET + POST at a time
-        self._tasks = threading.BoundedSemaphore(MAX_PARALLEL_TASKS)
         self.posts = 0
+        # The agent's store: an approval asked for now (the callback) is an action row marked
+        # posting before its POST, and its outcome and audit commit together (crash-safe).
+        self.actions: Store | None = None
+        self._rows: list[int] = []
+        self._actor = ""
 
     # -- the one way to approve ----------------------------------------------------------
     def approve(
@@ -145,15 +149,55 @@ class Approver:
         ids = tuple(dict.fromkeys(event_ids))
         common = dict(EventIds=list(ids), Approver=approver, Rule=rule, Client=client, Hook=hook)
         with self._lock:
+            self._rows, self._actor = [], actor
             attempt, incarnation, imds_status = self._attempt(ids, scope or self.config.scope)
-        detail = attempt.detail or (reason or "")
-        self.audit(audit_entry(
-            attempt.outcome, actor, attempt.reason, Detail=detail or None, HttpStatus=attempt.status if actor == "callback" else None,
-            ImdsStatus=imds_status, DocumentIncarnation=incarnation, **common,
-        ))
+            detail = attempt.detail or (reason or "")
+            entry = audit_entry(
+                attempt.outcome, actor, attempt.reason, Detail=detail or None,
+                HttpStatus=attempt.status if actor == "callback" else None,
+                ImdsStatus=imds_status, DocumentIncarnation=incarnation,
+                DryRun=True if attempt.reason == "dry_run" else None, **common,
+            )
+            if not self._finish_rows(entry, attempt):
+                self.audit(entry)
         level = logging.INFO if attempt.outcome == APPROVED else logging.WARNING
         log.log(level, "approval by %s%s of %s: %s (%s)", actor, f" ({approver})" if approver else "", ", ".join(ids), attempt.outcome, attempt.reason)
         return attempt
+
+    def _mark_posting(self, events: Sequence[Event], incarnation: Any) -> None:
+        """One action row per event, committed ``running``/``posting`` before the POST."""
+        if self.actions is None:
+            return
+        from forwarder.store import actions as rows
+
+        now = time.time()
+        try:
+            with self.actions.transaction() as c:
+                self._rows = [rows.insert_posting(c, rows.NewAction(
+                    kind=rows.APPROVE, event_id=e.event_id, change=self._actor, event=dict(e.raw), due=now,
+                    deadline=e.not_before.timestamp() if e.not_before else None, actor=self._actor,
+                    incarnation=incarnation), now) for e in events]
+        except ForwarderError as exc:  # the approval still goes out; only its crash-safety is lost
+            log.error("could not record the approval as an action before posting: %s", exc)
+            self._rows = []
+
+    def _finish_rows(self, entry: dict[str, Any], attempt: Attempt) -> bool:
+        """The outcome of the rows and the audit entry in one transaction; False if there are no rows."""
+        if not self._rows or self.actions is None:
+            return False
+        from forwarder.store import actions as rows
+
+        state = rows.DONE if attempt.outcome == APPROVED else rows.FAILED
+        result = {"Outcome": attempt.outcome, "Reason": attempt.reason, "Detail": attempt.detail or None}
+        try:
+            with self.actions.transaction() as c:
+                for action_id in self._rows:
+                    rows.finish(c, action_id, state, result, time.time())
+                self.actions.inbox_put(c, entry)
+        except ForwarderError as exc:
+            log.error("could not commit the outcome of the approval with its audit: %s", exc)
+            return False
+        return True
 
     def _attempt(self, ids: tuple[str, ...], scope: str) -> tuple[Attempt, Any, int | None]:
         if not ids:
@@ -185,6 +229,10 @@ class Approver:
             return Attempt(REFUSED, reasons[0] if len(reasons) == 1 else "several_reasons", 422, refused=refused), document.incarnation, None
         if not to_post:
             return Attempt(APPROVED, "already_approved", 200, already_approved=tuple(already)), document.incarnation, None
+        if self.config.dry_run and self._actor == "callback":  # (`sefwd approve` is an explicit command)
+            return Attempt(HELD, "dry_run", 409, detail=f"dry run: would post StartRequests for {', '.join(to_post)}"), \
+                document.incarnation, None
+        self._mark_posting([events[e.lower()] for e in to_post], document.incarnation)
         try:
             self.posts += 1
             self.imds.start_requests(to_post)
@@ -192,71 +240,3 @@ class Approver:
             return Attempt(FAILED, "imds_post_failed", 502, detail=str(exc)), document.incarnation, exc.status
         self.approved.add(to_post)
         return Attempt(APPROVED, "approved", 200, approved=tuple(to_post), already_approved=tuple(already)), document.incarnation, 200
-
-    # -- policy and hooks, driven by the poller's changes --------------------------------
-    def on_changes(self, changes: Sequence[Change], records: Sequence[Record]) -> None:
-        """Called by the poller after a commit; returns at once, work happens in task threads."""
-        for change, record in zip(changes, records, strict=True):
-            if self.config.hooks.get(change.kind) is None and not self._policy_applies(change):
-                continue
-            self._tasks.acquire()
-            threading.Thread(target=self._task, args=(change, record), name=f"approval-{change.event.event_id}", daemon=True).start()
-
-    def reconsider(self, document: Document, records: Callable[[Change], Record]) -> None:
-        """After a restart: decide again about Scheduled events this VM has not approved.
-
-        A crash between committing a document and acting on it would otherwise leave an event
-        that the policy approves waiting for NotBefore, since the next document shows no change.
-        Only the policy runs here (and a rule's hook when it gates the approval).
-        """
-        if not self.config.rules:
-            return
-        for event in document.events:
-            if event.status == "Scheduled" and event.event_id not in self.approved:
-                change = Change("scheduled", event, None, initial=True)
-                self._tasks.acquire()
-                threading.Thread(target=self._task, args=(change, records(change), True), daemon=True,
-                                 name=f"approval-{event.event_id}").start()
-
-    def _policy_applies(self, change: Change) -> bool:
-        """Rules decide about events still Scheduled; with no rules there is no policy at all."""
-        return bool(self.config.rules) and change.kind in ("scheduled", "updated") and change.event.status == "Scheduled"
-
-    def _task(self, change: Change, record: Record, reconsidering: bool = False) -> None:
-        try:
-            self._handle(change, record, reconsidering)
-        except Exception:  # never let a policy bug kill the agent
-            log.exception("approval task for %s failed", change.event.event_id)
-        finally:
-            self._tasks.release()
-
-    def _handle(self, change: Change, record: Record, reconsidering: bool = False) -> None:
-        from forwarder.approval.hooks import run_hook
-        from forwarder.approval.policy import decide
-
-        event = change.event
-        decision = decide(self.config.rules, event, self.vm()) if self._policy_applies(change) else None
-        hook_result = None
-        command = self.config.hooks.get(change.kind)
-        if reconsidering and not (decision is not None and decision.after_hooks):
-            command = None  # the hooks ran for this change before the restart
-        if command is not None:
-            hook_result = run_hook(command, record.to_dict(), timeout=self.config.hook_timeout,
-                                   output_limit=self.config.hook_output_limit, stop=self.stop)
-            log.info("hook for %s %s: exit %s", change.kind, event.event_id, hook_result.exit_code)
-        if decision is None or decision.action == "ignore":
-            return
-        hook_audit = hook_result.to_audit() if hook_result is not None else None
-        if decision.action == "hold":
-            if change.kind == "scheduled" and not reconsidering:
-                self.audit(audit_entry(HELD, "policy", "rule_hold" if decision.rule else "no_matching_rule",
-                                       EventIds=[event.event_id], Rule=decision.rule, Hook=hook_audit,
-                                       Detail="left to a remote approver or to NotBefore"))
-            return
-        if decision.after_hooks and (hook_result is None or not hook_result.ok):
-            reason = "hook_failed" if hook_result is not None else "no_hook_configured"
-            self.audit(audit_entry(HELD, "hook", reason, EventIds=[event.event_id], Rule=decision.rule, Hook=hook_audit))
-            return
-        if decision.delay and self.stop.wait(decision.delay):
-            return
-        self.approve([event.event_id], actor="hook" if decision.after_hooks else "policy", rule=decision.rule, hook=hook_audit)

@@ -12,19 +12,24 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from forwarder.approval.settings import ACTIONS, CHANGE_KINDS, SCOPES, ApprovalConfig, CallbackSettings, Rule
+from forwarder.approval.settings import (ACTIONS, CHANGE_KINDS, SCOPES, UNDO_KINDS, ApprovalConfig, CallbackSettings,
+                                        HookSpec, Rule)
 from forwarder.common.http_server import parse_listen, tls_server_context
 from forwarder.common.signing import SignatureError, parse_secret
 from forwarder.common.values import boolean, choice, duration, integer, parse_labelled, parse_table, size, suggest
 
 ENV_PREFIX = "SEFWD_APPROVAL_"
 # The keys of each table, in the order the example config shows them.
-APPROVAL_KEYS = ("scope", "hook_timeout", "hook_output_limit", "hooks", "rules", "callback")
-APPROVAL_ENV_KEYS = ("scope", "hook_timeout", "hook_output_limit")
+APPROVAL_KEYS = ("scope", "dry_run", "hook_timeout", "hook_output_limit", "deadline_margin", "workers", "hook_env",
+                 "hooks", "rules", "callback")
+APPROVAL_ENV_KEYS = ("scope", "dry_run", "hook_timeout", "hook_output_limit", "deadline_margin")
 RULE_KEYS = (
-    "name", "event_type", "event_source", "event_status", "duration_min", "duration_max",
-    "affects_this_vm", "resources_min", "resources_max", "description", "action", "delay", "after_hooks",
+    "name", "event_type", "event_types", "event_source", "event_status", "duration_min", "duration_max",
+    "affects_this_vm", "resources_min", "resources_max", "description", "action", "delay", "after_hooks", "at",
 )
+HOOK_KEYS = ("command", "at", "event_types")
+MAX_WORKERS = 256
+_AT = re.compile(r"^\s*notbefore\s*(?:-\s*(?P<before>\S.*?))?\s*$", re.IGNORECASE)
 CALLBACK_KEYS = (
     "listen", "secret_env", "secret_file", "tls_cert", "tls_key", "max_body", "rate_limit",
     "client_timeout", "tolerance",
@@ -70,6 +75,15 @@ def _strings(field: str) -> Callable[[Any], tuple[str, ...]]:
     return parse
 
 
+def parse_at(value: Any) -> float:
+    """``"notbefore - 2m"`` → 120.0 (seconds before NotBefore); ``"notbefore"`` → 0."""
+    match = _AT.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise ValueError(f'expected "notbefore - DURATION" (e.g. "notbefore - 2m"), got {value!r}')
+    before = match.group("before")
+    return duration(0.0, MAX_EVENT_DURATION)(before) if before else 0.0
+
+
 def _regex(value: Any) -> re.Pattern[str]:
     if not isinstance(value, str):
         raise ValueError(f"expected a regular expression string, got {value!r}")
@@ -93,6 +107,7 @@ _RULE_PARSERS: dict[str, Callable[[Any], Any]] = {
     "action": choice(ACTIONS, fold_case=False),
     "delay": duration(0.0, MAX_HOOK_TIMEOUT),
     "after_hooks": boolean,
+    "at": parse_at,
 }
 
 
@@ -103,6 +118,10 @@ def _parse_rule(index: int, entry: Any, have_hooks: bool, problems: list[str]) -
         return None
     before = len(problems)
     _unknown_keys(entry, RULE_KEYS, where, problems)
+    if "event_types" in entry:  # the hooks' spelling, accepted here too
+        if "event_type" in entry:
+            problems.append(f"{where}: event_type and event_types are the same key: set only one")
+        entry = {("event_type" if k == "event_types" else k): v for k, v in entry.items()}
     values = parse_table(_RULE_PARSERS, entry, where, problems)
     name = entry.get("name", f"rules[{index}]")
     if not isinstance(name, str) or not name.strip():
@@ -113,7 +132,7 @@ def _parse_rule(index: int, entry: Any, have_hooks: bool, problems: list[str]) -
         if low in values and high in values and values[low] > values[high]:
             problems.append(f"{where}.{low}: {values[low]} is greater than {high} {values[high]}: the rule never matches")
     if values.get("action", "approve") != "approve":
-        for key in ("delay", "after_hooks"):
+        for key in ("delay", "after_hooks", "at"):
             if key in entry:
                 problems.append(f"{where}.{key}: only allowed with action = \"approve\" (this rule says {values['action']!r})")
     if values.get("after_hooks") and not have_hooks:
@@ -142,31 +161,69 @@ def _parse_rules(raw: Any, have_hooks: bool, problems: list[str]) -> tuple[Rule,
     return tuple(rules)
 
 
-def _parse_hooks(raw: Any, problems: list[str]) -> dict[str, tuple[str, ...] | str]:
+def _parse_command(command: Any, where: str, problems: list[str]) -> tuple[str, ...] | str | None:
+    if isinstance(command, str):
+        if not command.strip():
+            problems.append(f"{where}: the command must not be empty")
+            return None
+        return command
+    if isinstance(command, list) and command and all(isinstance(a, str) for a in command):
+        if not command[0].strip():
+            problems.append(f"{where}: the program (first element) must not be empty")
+            return None
+        return tuple(command)
+    problems.append(f"{where}: expected a command string (run with /bin/sh -c) or a non-empty "
+                    f"list of strings (run without a shell), got {command!r}")
+    return None
+
+
+_HOOK_PARSERS: dict[str, Callable[[Any], Any]] = {"at": parse_at, "event_types": _strings("event_type")}
+
+
+def _parse_hook(kind: str, raw: Any, problems: list[str]) -> HookSpec | None:
+    """A command (string or list), or a table {command, at, event_types}."""
+    where = f"approval.hooks.{kind}"
+    if not isinstance(raw, Mapping):
+        command = _parse_command(raw, where, problems)
+        return HookSpec(command) if command is not None else None
+    before = len(problems)
+    _unknown_keys(raw, HOOK_KEYS, where, problems)
+    if "command" not in raw:
+        problems.append(f"{where}: missing 'command'")
+        return None
+    command = _parse_command(raw["command"], f"{where}.command", problems)
+    values = parse_table(_HOOK_PARSERS, raw, where, problems)
+    if "at" in raw and kind in UNDO_KINDS:
+        problems.append(f"{where}.at: an undo hook runs once the event is over, never before NotBefore")
+    if command is None or len(problems) > before:
+        return None
+    return HookSpec(command, **values)
+
+
+def _parse_hooks(raw: Any, problems: list[str]) -> dict[str, HookSpec]:
     if not isinstance(raw, Mapping):
         problems.append(f"approval.hooks must be a table ([approval.hooks]), got {raw!r}")
         return {}
-    hooks: dict[str, tuple[str, ...] | str] = {}
-    for kind, command in raw.items():
-        where = f"approval.hooks.{kind}"
+    hooks: dict[str, HookSpec] = {}
+    for kind, entry in raw.items():
         if kind not in CHANGE_KINDS:
-            problems.append(f"unknown change kind {where}{suggest(str(kind), CHANGE_KINDS)} "
+            problems.append(f"unknown change kind approval.hooks.{kind}{suggest(str(kind), CHANGE_KINDS)} "
                             f"(hooks are keyed by: {', '.join(CHANGE_KINDS)})")
             continue
-        if isinstance(command, str):
-            if not command.strip():
-                problems.append(f"{where}: the command must not be empty")
-                continue
-            hooks[kind] = command
-        elif isinstance(command, list) and command and all(isinstance(a, str) for a in command):
-            if not command[0].strip():
-                problems.append(f"{where}: the program (first element) must not be empty")
-                continue
-            hooks[kind] = tuple(command)
-        else:
-            problems.append(f"{where}: expected a command string (run with /bin/sh -c) or a non-empty "
-                            f"list of strings (run without a shell), got {command!r}")
+        hook = _parse_hook(kind, entry, problems)
+        if hook is not None:
+            hooks[kind] = hook
     return hooks
+
+
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _parse_hook_env(raw: Any, problems: list[str]) -> tuple[str, ...]:
+    if not isinstance(raw, list) or not all(isinstance(n, str) and _ENV_NAME.match(n) for n in raw):
+        problems.append(f"approval.hook_env: expected a list of environment variable names, got {raw!r}")
+        return ()
+    return tuple(raw)
 
 
 def _resolve(path_text: str, base_dir: Path | None) -> Path:
@@ -290,6 +347,9 @@ _FLAT_PARSERS: dict[str, Callable[[Any], Any]] = {
     "scope": choice(SCOPES),
     "hook_timeout": duration(0.0, MAX_HOOK_TIMEOUT, low_inclusive=False),
     "hook_output_limit": size(0, MAX_HOOK_OUTPUT),
+    "dry_run": boolean,
+    "deadline_margin": duration(0.0, 3600.0),
+    "workers": integer(1, MAX_WORKERS),
 }
 
 
@@ -323,6 +383,7 @@ def parse_approval(
     have_hooks = bool(hooks) or bool(raw.get("hooks"))
     rules = _parse_rules(raw["rules"], have_hooks, problems) if "rules" in raw else ()
     callback = _parse_callback(raw["callback"], env, base_dir, problems) if "callback" in raw else None
+    hook_env = _parse_hook_env(raw["hook_env"], problems) if "hook_env" in raw else ()
     if problems:
         return ApprovalConfig(), problems
-    return ApprovalConfig(rules=rules, hooks=hooks, callback=callback, **values), problems
+    return ApprovalConfig(rules=rules, hooks=hooks, callback=callback, hook_env=hook_env, **values), problems

@@ -1,12 +1,16 @@
 """Run a local hook command for a change: the event in env vars, the record as JSON on stdin.
 
-Output (stdout and stderr together) is kept up to a limit; a hook that runs too long, or is
-still running when the agent stops, is terminated with its whole process group.
+A hook inherits none of the agent's environment but ``PATH`` and the few names of
+``HOOK_ENV_DEFAULT`` plus the operator's ``hook_env`` allow-list: the agent's secrets (the
+callback secret, sink credentials) stay with the agent. Output (stdout and stderr together) is
+kept up to a limit and redacted like every log line; a hook that runs too long, or is still
+running when the agent stops, is terminated with its whole process group.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import selectors
 import shlex
 import signal
@@ -19,6 +23,9 @@ from typing import Any
 
 import orjson
 
+from forwarder.approval.settings import HOOK_ENV_DEFAULT
+from forwarder.common.logs import MASK, redact
+
 log = logging.getLogger(__name__)
 
 KILL_GRACE = 5.0  # SIGTERM, then SIGKILL this much later
@@ -27,6 +34,9 @@ OUTPUT_GRACE = 0.5
 _CHUNK = 65536
 ENV_VALUE_LIMIT = 65536  # bytes of one SEFWD_* variable
 _TICK = 0.05
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# Standard Webhooks secrets (the callback's, the webhook sink's) never reach a record.
+_WHSEC = re.compile(r"whsec_[A-Za-z0-9+/=_-]+")
 
 
 @dataclass(frozen=True)
@@ -47,7 +57,7 @@ class HookResult:
     def to_audit(self) -> dict[str, Any]:
         """The ``Hook`` object of an approval.* record."""
         return {
-            "Command": self.command,
+            "Command": redact_output(self.command),  # a token in an argument stays out of the record too
             "ExitCode": self.exit_code,
             "TimedOut": self.timed_out,
             "Output": self.output,
@@ -92,6 +102,19 @@ def hook_env(record: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
+def redact_output(text: str) -> str:
+    """Hook output as it may enter a record: redacted like a log line, and no whsec_ secret."""
+    return _WHSEC.sub(MASK, redact(text))
+
+
+def base_env(allow: Sequence[str] = (), environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a hook inherits from the agent: the default names and ``allow``, when set; PATH always."""
+    environ = os.environ if environ is None else environ
+    env = {name: environ[name] for name in (*HOOK_ENV_DEFAULT, *allow) if name in environ}
+    env.setdefault("PATH", DEFAULT_PATH)
+    return env
+
+
 def describe_command(command: Sequence[str] | str) -> str:
     """The command as an operator would type it."""
     return command if isinstance(command, str) else shlex.join(command)
@@ -112,7 +135,7 @@ class _Output:
             self.kept += chunk[:room]
 
     def text(self) -> str:
-        text = bytes(self.kept).decode("utf-8", "replace")
+        text = redact_output(bytes(self.kept).decode("utf-8", "replace"))
         cut = self.total - len(self.kept)
         if cut > 0:
             text += f"\n[... {cut} more bytes cut, {self.total} in all]"
@@ -185,13 +208,20 @@ def run_hook(
     output_limit: int,
     stop: threading.Event | None = None,
     extra_env: Mapping[str, str] | None = None,
+    env_allow: Sequence[str] = (),
 ) -> HookResult:
-    """Run ``command`` for ``record`` and report how it went; never raises."""
+    """Run ``command`` for ``record`` and report how it went; never raises.
+
+    The environment: ``base_env(env_allow)``, the ``SEFWD_*`` event variables, then ``extra_env``.
+    """
     started = time.monotonic()
     shown = ""
     try:
         shown = describe_command(command)
-        return _run(command, shown, record, timeout, output_limit, stop or threading.Event(), extra_env, started)
+        env = base_env(env_allow)
+        env.update(hook_env(record))
+        env.update(extra_env or {})
+        return _run(command, shown, record, timeout, output_limit, stop or threading.Event(), env, started)
     except Exception as exc:  # a hook must never take the approver thread down
         log.exception("hook %s failed to run", shown)
         return HookResult(shown, None, False, "", time.monotonic() - started, f"{type(exc).__name__}: {exc}")
@@ -204,16 +234,12 @@ def _run(
     timeout: float,
     output_limit: int,
     stop: threading.Event,
-    extra_env: Mapping[str, str] | None,
+    env: dict[str, str],
     started: float,
 ) -> HookResult:
     argv = ["/bin/sh", "-c", command] if isinstance(command, str) else list(command)
     if not argv or not argv[0]:
         return HookResult(shown, None, False, "", 0.0, "empty command")
-    env = dict(os.environ)
-    env.update(hook_env(record))
-    if extra_env:
-        env.update(extra_env)
     stdin_data = orjson.dumps(record, default=str, option=orjson.OPT_NON_STR_KEYS) + b"\n"
     try:
         proc = subprocess.Popen(

@@ -8,6 +8,21 @@ from pathlib import Path
 SCOPES = ("self", "leader", "any", "self_or_leader")
 ACTIONS = ("approve", "hold", "ignore")
 CHANGE_KINDS = ("scheduled", "started", "updated", "completed", "canceled", "ended")
+UNDO_KINDS = ("completed", "canceled", "ended")  # their hooks are undo actions: run once per event, to completion
+# What a hook inherits from the agent's environment besides its SEFWD_* event variables; the
+# operator adds names with hook_env (never the agent's secrets by default).
+HOOK_ENV_DEFAULT = ("PATH", "HOME", "LANG", "LC_ALL", "TZ", "TMPDIR",
+                    # Windows programs need these to start at all
+                    "SYSTEMROOT", "WINDIR", "COMSPEC", "PATHEXT", "TEMP", "TMP")
+
+
+@dataclass(frozen=True)
+class HookSpec:
+    """One ``[approval.hooks]`` entry: a command, and optionally when and for which event types."""
+
+    command: tuple[str, ...] | str  # argv (run directly) or a shell string (/bin/sh -c)
+    at: float | None = None  # seconds before NotBefore: not earlier than NotBefore - at
+    event_types: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -27,6 +42,7 @@ class Rule:
     description: re.Pattern[str] | None = None
     delay: float = 0.0
     after_hooks: bool = False
+    at: float | None = None  # approve not earlier than NotBefore - at
 
 
 @dataclass(frozen=True)
@@ -50,7 +66,11 @@ class ApprovalConfig:
 
     scope: str = "self_or_leader"
     rules: tuple[Rule, ...] = ()
-    hooks: dict[str, tuple[str, ...] | str] = field(default_factory=dict)  # change kind -> argv or shell string
+    hooks: dict[str, HookSpec] = field(default_factory=dict)  # change kind -> hook
     hook_timeout: float = 300.0
     hook_output_limit: int = 4096
     callback: CallbackSettings | None = None
+    dry_run: bool = False  # plan and audit every action, perform none
+    deadline_margin: float = 5.0  # a hook before NotBefore must end this long before it
+    hook_env: tuple[str, ...] = ()  # more variable names hooks inherit (beside HOOK_ENV_DEFAULT)
+    workers: int = 8  # actions running at once

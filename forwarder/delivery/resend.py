@@ -6,11 +6,12 @@ import random
 import sys
 import threading
 import time
-from typing import NoReturn
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
 
 from tqdm import tqdm
 
-from forwarder.agent.config import Config
 from forwarder.errors import ForwarderError
 from forwarder.common.retry import Backoff
 from forwarder.sinkapi import Ok, Reject, Retry, SinkContext, load_sink_factory
@@ -33,15 +34,27 @@ def _counts(sink_name: str, sent: int, failed: int, json_out: bool) -> None:
     print(f"sink {sink_name}: replayed {sent}, still dead {failed}", file=sys.stderr)
 
 
-def replay(config: Config, sink_name: str, *, timeout: float = 300.0, json_out: bool = False) -> int:
+class SinkSettings(Protocol):
+    """One configured sink as ``replay`` reads it (the agent's SinkConfig; no import of it here)."""
+
+    @property
+    def type(self) -> str: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def options(self) -> Mapping[str, Any]: ...
+
+
+def replay(sinks: Sequence[SinkSettings], state_dir: Path, sink_name: str, *, timeout: float = 300.0,
+           json_out: bool = False) -> int:
     """Re-send every dead letter of one sink; returns an exit code (0 when all went through).
     With ``json_out`` the counts are also printed on stdout as one JSON object."""
-    sink_cfg = next((s for s in config.sinks if s.name == sink_name), None)
+    sink_cfg = next((s for s in sinks if s.name == sink_name), None)
     if sink_cfg is None:
         print(f"sefwd: no sink named {sink_name!r} in the config", file=sys.stderr)
         return 2
     try:
-        store = Store.open(config.state.dir)
+        store = Store.open(state_dir)
         letters = store.dead_letters(sink_name)
     except ForwarderError as exc:
         print(f"sefwd: {exc}", file=sys.stderr)
@@ -63,7 +76,7 @@ def replay(config: Config, sink_name: str, *, timeout: float = 300.0, json_out: 
     stop = threading.Event()
     try:
         sink = load_sink_factory(sink_cfg.type)(
-            sink_cfg.options, SinkContext(name=sink_name, state_dir=config.state.dir / "sinks" / sink_name, stop=stop)
+            sink_cfg.options, SinkContext(name=sink_name, state_dir=state_dir / "sinks" / sink_name, stop=stop)
         )
     except Exception as exc:  # noqa: BLE001 - a third-party sink may raise anything
         print(f"sefwd: cannot build sink {sink_name}: {type(exc).__name__}: {exc}; its {len(letters)} dead "

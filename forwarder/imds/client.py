@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote, urlsplit
 
 import httptools
@@ -39,7 +39,21 @@ from forwarder.errors import ConfigError, ImdsError, ImdsTimeout
 if TYPE_CHECKING:
     import ssl
 
-    from forwarder.agent.config import ImdsConfig
+
+class ImdsSettings(Protocol):
+    """What ``ImdsClient.from_config`` reads (the agent's ``[imds]`` config; no import of it here)."""
+
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def api_version(self) -> str: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def first_call_timeout(self) -> float: ...
+    @property
+    def compute_api_version(self) -> str: ...
+
 
 __all__ = [
     "Fetch", "ImdsClient", "RequestBudget", "MAX_BODY", "RETRY_AFTER_CAP", "REQUEST_BUDGET", "CLI_REQUEST_BUDGET",
@@ -225,7 +239,7 @@ class ImdsClient:
         self._answered = False  # until IMDS first answers, allow the long first-call timeout
 
     @classmethod
-    def from_config(cls, cfg: ImdsConfig, *, stop: threading.Event | None = None,
+    def from_config(cls, cfg: ImdsSettings, *, stop: threading.Event | None = None,
                     backoff: Backoff = Backoff(initial=0.5, maximum=5.0),
                     budget: RequestBudget | None = None) -> ImdsClient:
         """The one way the agent and its commands build a client from ``[imds]``.

@@ -23,6 +23,7 @@ import orjson
 from forwarder.errors import StateError
 from forwarder.sinkapi import Record
 from forwarder.store.marker import Marker
+from forwarder.store.actions import ACTIONS_SCHEMA
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ CREATE TABLE IF NOT EXISTS losses(sink TEXT NOT NULL, reason TEXT NOT NULL, coun
                                   PRIMARY KEY(sink, reason));
 CREATE TABLE IF NOT EXISTS inbox(id INTEGER PRIMARY KEY AUTOINCREMENT, entry BLOB NOT NULL, time REAL NOT NULL);
 """
+# (the actions table: forwarder.store.actions)
 
 
 class StoreError(StateError):
@@ -142,6 +144,7 @@ def _configure(conn: sqlite3.Connection, fsync: bool) -> sqlite3.Connection:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute(f"PRAGMA synchronous={'FULL' if fsync else 'NORMAL'}")
         conn.executescript(SCHEMA)
+        conn.executescript(ACTIONS_SCHEMA)
     except BaseException:
         conn.close()
         raise
@@ -213,6 +216,7 @@ class Store:
         self.append_failures = 0
         self._data_version: int | None = None
         self.marker: Marker | None = None  # the agent's store only (forwarder.store.recovery): high-water sequence
+        self.inbox_written = False
 
     @classmethod
     def open(cls, state_dir: Path, *, fsync: bool = True, max_size: int = 256 * 1024 * 1024,
@@ -274,13 +278,20 @@ class Store:
         return state
 
     def commit(self, records: Sequence[Record], state: SavedState | None = None, *,
-               inbox_ids: Sequence[int] = ()) -> None:
-        """Records, the state they came from and the inbox rows they consumed, in one transaction."""
+               inbox_ids: Sequence[int] = (),
+               then: Callable[[sqlite3.Connection], Sequence[Record]] | None = None) -> None:
+        """Records, the state they came from and the inbox rows they consumed, in one transaction;
+        ``then`` writes more in the same transaction (the actions planned from these records) and
+        returns the records that go with it (their audit)."""
         now_ms = int(self._clock() * 1000)
-        rows = [(r.body, r.type, priority_of(r.type), now_ms) for r in records]
-        added = sum(len(r.body) for r in records)
+        rows: list[tuple[bytes, str, int, int]] = []
+        added = 0
         try:
             with self.transaction() as c:
+                if then is not None:
+                    records = [*records, *then(c)]
+                rows = [(r.body, r.type, priority_of(r.type), now_ms) for r in records]
+                added = sum(len(r.body) for r in records)
                 if rows:
                     c.executemany("INSERT INTO records(body, type, priority, time_ms) VALUES (?, ?, ?, ?)", rows)
                 if state is not None:
@@ -443,7 +454,12 @@ class Store:
 
     def inbox_add(self, entry: dict[str, Any]) -> None:
         with self.transaction() as c:
-            c.execute("INSERT INTO inbox(entry, time) VALUES (?, ?)", (orjson.dumps(entry), self._clock()))
+            self.inbox_put(c, entry)
+
+    def inbox_put(self, c: sqlite3.Connection, entry: dict[str, Any]) -> None:
+        """Queue an audit entry inside an open transaction (the poller turns it into a record)."""
+        c.execute("INSERT INTO inbox(entry, time) VALUES (?, ?)", (orjson.dumps(entry, default=str), self._clock()))
+        self.inbox_written = True  # this connection's own writes do not move data_version
 
     def inbox(self, limit: int = 100) -> list[tuple[int, Any]]:
         """Entries other processes queued (``sefwd approve``); unreadable ones come back as None."""

@@ -5,7 +5,8 @@ is not the outbox's job (that is ``forwarder.delivery.dispatcher``, whose worker
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sqlite3
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from forwarder.sinkapi import Record
@@ -15,7 +16,8 @@ from forwarder.store.database import SavedState, Store
 class Outbox(Protocol):
     """Takes records with the state they came from, in one transaction. Raises ForwarderError if not."""
 
-    def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = ()) -> None: ...
+    def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = (),
+               then: Callable[[sqlite3.Connection], Sequence[Record]] | None = None) -> None: ...
 
     def inbox(self) -> list[tuple[int, object]]:
         """Audit entries other processes queued in the store (``sefwd approve``): (row id, entry)."""
@@ -29,14 +31,16 @@ class StoreOutbox:
         self.store = store
         self._inbox_pending = True  # entries queued while no agent ran
 
-    def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = ()) -> None:
+    def commit(self, records: Sequence[Record], state: SavedState | None = None, *, inbox_ids: Sequence[int] = (),
+               then: Callable[[sqlite3.Connection], Sequence[Record]] | None = None) -> None:
         """The records and the state they came from are durable when this returns."""
-        self.store.commit(records, state, inbox_ids=inbox_ids)
+        self.store.commit(records, state, inbox_ids=inbox_ids, then=then)
 
     def inbox(self) -> list[tuple[int, object]]:
         """Entries queued by other processes, looked at only when another connection wrote (or
         the last look found some: they stay until the commit that consumes them succeeds)."""
-        if not (self.store.refresh() or self._inbox_pending):
+        written, self.store.inbox_written = self.store.inbox_written, False  # by this process's action workers
+        if not (self.store.refresh() or self._inbox_pending or written):
             return []
         rows = self.store.inbox()
         self._inbox_pending = bool(rows)

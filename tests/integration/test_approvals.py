@@ -18,7 +18,8 @@ def agent_config(tmp_path, emu, vm="myVM", approval=SEED_RULES, poll="500ms"):
 
 
 def approvals(out):
-    return [r for r in read_jsonl(out) if r["type"].startswith("approval.")]
+    """Audit records of outcomes (``approval.planned`` records, one per action row, left out)."""
+    return [r for r in read_jsonl(out) if r["type"].startswith("approval.") and r["type"] != "approval.planned"]
 
 
 def posts(emu):
@@ -68,6 +69,7 @@ def test_hook_gates_approval_and_is_audited(tmp_path):
     rules = f'''
 [approval]
 hook_timeout = "20s"
+hook_env = ["HOOK_EXIT"]               # hooks inherit only what the operator names
 [approval.hooks]
 scheduled = ["{ok_hook}"]
 [[approval.rules]]
@@ -81,9 +83,10 @@ after_hooks = true
         out = tmp_path / "out.jsonl"
         wait_until(lambda: read_jsonl(out), 60, "agent up")
         event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
-        wait_until(lambda: approvals(out), 60, "audit record")
+        wait_until(lambda: len(approvals(out)) >= 2, 60, "audit records")
         assert agent.terminate() == 0
-        (audit,) = approvals(out)
+        ran, audit = approvals(out)  # the hook action's outcome, then the approval's
+        assert ran["type"] == "approval.ran" and ran["data"]["Reason"] == "hook_ok"
         assert audit["type"] == "approval.approved" and audit["data"]["Actor"] == "hook"
         hook = audit["data"]["Hook"]
         assert hook["ExitCode"] == 0 and f"draining {event_id} Reboot" in hook["Output"]
@@ -96,9 +99,10 @@ after_hooks = true
         out = tmp2 / "out.jsonl"
         wait_until(lambda: read_jsonl(out), 60, "agent up")
         emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
-        wait_until(lambda: approvals(out), 60, "audit record")
+        wait_until(lambda: len(approvals(out)) >= 2, 60, "audit records")
         assert agent.terminate() == 0
-        (audit,) = approvals(out)
+        ran, audit = approvals(out)
+        assert ran["type"] == "approval.ran" and ran["data"]["Reason"] == "hook_failed"
         assert audit["type"] == "approval.held" and audit["data"]["Reason"] == "hook_failed"
         assert audit["data"]["Hook"]["ExitCode"] == 3
         assert posts(emu) == []
@@ -152,6 +156,8 @@ def test_demo_shows_the_whole_approval_loop():
     records = [orjson.loads(line) for line in done.stdout.splitlines()]
     freeze = "A1F0E5A7-0001-4C5D-9E8F-000000000001"
     mine = [r["type"] for r in records if r.get("subject") == freeze]
+    assert mine[1] == "approval.planned"  # the approval action, audited before it is taken
+    del mine[1]
     # The approval and the Started transition race (the POST makes IMDS start the event at once).
     assert mine[0] == "scheduledevent.scheduled" and mine[-1] == "scheduledevent.completed"
     assert sorted(mine[1:3]) == ["approval.approved", "scheduledevent.started"]

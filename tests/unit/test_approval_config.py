@@ -12,7 +12,7 @@ import trustme
 
 from forwarder.approval.config import parse_approval
 from forwarder.approval.policy import SEED_SAMPLE_RULES
-from forwarder.approval.settings import ApprovalConfig, CallbackSettings, Rule
+from forwarder.approval.settings import ApprovalConfig, CallbackSettings, HookSpec, Rule
 from forwarder.common.signing import generate_secret, parse_secret
 from tests.conftest import FIXTURES
 from forwarder.agent.config_example import shipped as _shipped_example
@@ -210,8 +210,8 @@ def test_rule_fields_parse() -> None:
             {"event_type": "Hibernate", "action": "ignore"},  # future types pass
         ],
     })
-    assert config.hooks == {"scheduled": ("/usr/local/bin/drain.sh", "--graceful"),
-                            "completed": "/usr/local/bin/undrain.sh"}
+    assert config.hooks == {"scheduled": HookSpec(("/usr/local/bin/drain.sh", "--graceful")),
+                            "completed": HookSpec("/usr/local/bin/undrain.sh")}
     first, second, third = config.rules
     assert first == Rule(
         name="every-field", action="approve", event_type=("Reboot", "Redeploy"), event_source=("User",),
@@ -316,9 +316,13 @@ def test_the_commented_example_parses_once_uncommented(tmp_path: Path) -> None:
     cert.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
     text = "\n".join(lines).replace("/etc/sefwd/", f"{tmp_path}/")
     raw = tomllib.loads(text)["approval"]
-    assert set(raw) == {"scope", "hook_timeout", "hook_output_limit", "hooks", "rules", "callback"}
+    assert set(raw) == {"scope", "dry_run", "hook_timeout", "hook_output_limit", "deadline_margin", "workers", "hook_env",
+                        "hooks", "rules", "callback"}
     config = ok(raw, {"SEFWD_CALLBACK_SECRET": SECRET_A})
     assert config.rules == SEED_SAMPLE_RULES
-    assert config.hooks == {"scheduled": ("/usr/local/bin/drain.sh", "--graceful"), "completed": "/usr/local/bin/undrain.sh"}
+    assert config.hooks == {"scheduled": HookSpec(("/usr/local/bin/drain.sh", "--graceful"), at=120.0,
+                                                  event_types=("Reboot", "Redeploy", "Preempt")),
+                            "completed": HookSpec("/usr/local/bin/undrain.sh")}
+    assert config.hook_env == () and config.deadline_margin == 5.0 and not config.dry_run and config.workers == 8
     assert config.callback == CallbackSettings(host="127.0.0.1", port=8787, keys=(parse_secret(SECRET_A),),
                                                tls_cert=tmp_path / "tls.crt", tls_key=tmp_path / "tls.key")

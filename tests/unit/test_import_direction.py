@@ -7,10 +7,12 @@ which are checked here).
 """
 from __future__ import annotations
 
+import ast
 import json
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +44,28 @@ def test_core_module_imports_no_sink_or_sdk(module: str) -> None:
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == [], f"{module} imports a sink or an SDK"
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a source file names in an import statement (under TYPE_CHECKING and in functions too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+BELOW_AGENT = ("common", "imds", "store", "delivery", "approval", "emulator")
+
+
+@pytest.mark.parametrize("stage", BELOW_AGENT)
+def test_stages_below_the_agent_import_nothing_from_it(stage: str) -> None:
+    """The agent wires the stages together; none of them reaches back up into forwarder.agent."""
+    files = sorted((ROOT / "forwarder" / stage).rglob("*.py"))
+    assert files
+    upward = {str(f.relative_to(ROOT)): sorted(n for n in _imports(f) if n == "forwarder.agent" or n.startswith("forwarder.agent."))
+              for f in files}
+    assert {f: n for f, n in upward.items() if n} == {}
