@@ -128,7 +128,8 @@ class Agent:
             planner.reconsider(document, lambda change: poller.factory.preview(change, document), store.approved)
         # Each worker its own IMDS client: a client's pooled connections are not shared.
         self.actions = ActionRunner(ap, store, lambda: ImdsClient.from_config(self.config.imds, stop=self.stop),
-                                    lambda: poller.factory.vm, self.stop).start()
+                                    lambda: poller.factory.vm, self.stop,
+                                    on_outcome=self.telemetry.action_finished).start()
         poller.on_changes = self.actions.wake
         # Its own IMDS client: approvals run on other threads, and a client's pooled connections are not shared.
         client = ImdsClient.from_config(self.config.imds, stop=self.stop)
