@@ -1,4 +1,4 @@
-"""The one small HTTP-server base of the agent's three servers: approval callback, telemetry, emulator.
+"""The one small HTTP-server base of the agent's servers: approval callback, telemetry, maintenance probe, emulator.
 
 What they share lives here, once: the ``host:port`` listen parser, the address family taken from
 the parsed host, binding without a reverse-DNS lookup, the loopback decision (forwarder.common.loopback,
@@ -333,8 +333,8 @@ class HttpServer(ThreadingHTTPServer):
             self.handle_error(request, client_address)
             answered = True
         if answered:
+            self._release(request)  # (on the accept loop: no one is admitted in between)
             self.shutdown_request(request)
-            self._release(request)
             return
         self._deadlines.arm(request, limits.request_timeout)  # from the accept: e.g. a TLS handshake in the handler
         thread = threading.Thread(target=self._serve_limited, args=(request, client_address),
