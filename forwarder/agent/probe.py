@@ -98,7 +98,8 @@ class _Handler(QuietHandler):
         owner = self.server.owner
         sock: socket.socket = self.request
         read, rest = owner._pending.pop(sock, (b"", b""))
-        if rest:
+        if rest:  # the request was read on the accept loop: not a connection waiting for its request
+            self.server.head_received(sock)
             self._send(owner, sock, rest)
             return
         head = _read_head(sock, time.monotonic() + owner.client_timeout, read)
