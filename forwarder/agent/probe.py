@@ -7,12 +7,13 @@ or when the state changes, so a probe costs one read and one write.
 
 Each connection carries one request and is closed after the answer. A request that is there within
 half a millisecond of the accept (a load balancer's always is) is answered on the accept loop, with
-no thread; a slower one gets a thread of its own. Abuse is bounded the way the
-approval callback bounds it: a whole request head must arrive within ``client_timeout`` (a client
-trickling bytes is cut off), at most ``max_per_client`` connections per client address (more are
-closed at once, without a thread), and at most ``max_connections`` in all — when full, the
-connection that has waited longest without finishing its request is cut to make room, so idle
-connections from many addresses cannot lock the load balancer's probe out.
+no thread (the server base's ``serve_at_once``); a slower one gets a thread of its own. Abuse is
+bounded by the server base's ``ConnectionLimits``, as for every listener: a whole request head must
+arrive within ``client_timeout`` of the accept (a client trickling bytes is cut off), at most
+``max_per_client`` connections per client (more are closed at once, without a thread), and at most
+``max_connections`` in all — when full, the connection that has waited longest without finishing
+its request is cut to make room (``cut_oldest_when_full``), so idle connections from many
+addresses cannot lock the load balancer's probe out.
 """
 from __future__ import annotations
 
@@ -31,8 +32,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from forwarder.agent.maintenance import MaintenancePolicy, MaintenanceTracker, StateFile, default_state_file
-from forwarder.common.http_server import HttpServer, QuietHandler, client_key, host_port_text
-from forwarder.common.logs import RateLimitedLog
+from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler, host_port_text
 from forwarder.errors import ConfigError
 from forwarder.records import utcnow
 
@@ -72,29 +72,17 @@ def _response(status: int, body: bytes, content_type: str, now: datetime, extra:
     return head + body, head
 
 
-class _Conn:
-    __slots__ = ("host", "reading", "sock", "started")
-
-    def __init__(self, sock: socket.socket, host: str) -> None:
-        self.sock = sock
-        self.host = host
-        self.started = time.monotonic()
-        self.reading = True
-
-
 class _Server(HttpServer):
     request_queue_size = 128
     owner: ProbeServer
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        self.owner._admit(request, client_address)
-
-    def close_connections(self) -> None:
-        self.owner._cut_all()
+    def serve_at_once(self, request: Any, client_address: Any) -> bool:
+        return self.owner._answer_at_once(request, client_address)
 
 
 class _Handler(QuietHandler):
-    """Reads one request head within the deadline, answers from the rendered bytes, closes."""
+    """Finishes what the accept loop began: reads the rest of the request head (the base's deadline
+    cuts a slow one) or sends the rest of an answer, then the base closes the connection."""
 
     server: _Server
     logger = log
@@ -109,18 +97,27 @@ class _Handler(QuietHandler):
     def handle(self) -> None:
         owner = self.server.owner
         sock: socket.socket = self.request
-        head = _read_head(sock, time.monotonic() + owner.client_timeout, owner._prefixes.get(sock, b""))
-        owner._done_reading(sock)
+        read, rest = owner._pending.pop(sock, (b"", b""))
+        if rest:  # the request was read on the accept loop: not a connection waiting for its request
+            self.server.head_received(sock)
+            self._send(owner, sock, rest)
+            return
+        head = _read_head(sock, time.monotonic() + owner.client_timeout, read)
+        self.server.head_received(sock)
         if head is None:
             return
         status, data = owner.route(head)
+        if self._send(owner, sock, data):
+            self.log_request(status)
+
+    def _send(self, owner: ProbeServer, sock: socket.socket, data: bytes) -> bool:
         try:
             sock.settimeout(owner.client_timeout)
             sock.sendall(data)
         except OSError as exc:
             log.debug("probe: could not answer %s: %s", self.client_address, type(exc).__name__)
-        else:
-            self.log_request(status)
+            return False
+        return True
 
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
         if self.logger.isEnabledFor(logging.DEBUG):
@@ -158,15 +155,13 @@ class ProbeServer:
         self.client_timeout = client_timeout
         self.max_connections = max(1, max_connections)
         self.max_per_client = max(1, min(max_per_client, self.max_connections))
+        self.limits = ConnectionLimits(max_connections=self.max_connections, max_per_client=self.max_per_client,
+                                       request_timeout=client_timeout, cut_oldest_when_full=True)
         self._answer: Answer | None = None
         self._render_lock = threading.Lock()
-        self._conns: dict[socket.socket, _Conn] = {}
-        self._prefixes: dict[socket.socket, bytes] = {}  # bytes read on the accept loop, for the handler
-        self._conns_lock = threading.Lock()
+        # (bytes read, bytes left to send) by the accept loop, for the handler thread that finishes the job
+        self._pending: dict[socket.socket, tuple[bytes, bytes]] = {}
         self._server: _Server | None = None
-        self._warnings = RateLimitedLog(log, 60.0)
-        self.evicted = 0  # connections cut to make room (counted for tests and status)
-        self.refused = 0  # connections closed at once: their client had max_per_client open
         now = clock()
         self._errors = {code: _response(code, text, "text/plain; charset=utf-8", now, extra)
                         for code, text, extra in (
@@ -215,47 +210,11 @@ class ProbeServer:
             return answer.status, answer.head
         return 405, self._errors[405][0]
 
-    # -- connections --------------------------------------------------------------------------------
-    def _admit(self, sock: socket.socket, address: Any) -> None:
-        """On the accept loop: never blocks."""
-        host = client_key(address)
-        victim: _Conn | None = None
-        with self._conns_lock:
-            mine = sum(1 for c in self._conns.values() if c.host == host)
-            if mine >= self.max_per_client:
-                self.refused += 1
-                refuse = True
-            else:
-                refuse = False
-                if len(self._conns) >= self.max_connections:
-                    waiting = [c for c in self._conns.values() if c.reading]
-                    if waiting:
-                        victim = min(waiting, key=lambda c: c.started)
-                        victim.reading = False
-                        self.evicted += 1
-                self._conns[sock] = _Conn(sock, host)
-        if refuse:
-            self._warnings.log(logging.WARNING, "client", "probe: %s already has %d connections open, closing another",
-                               host, self.max_per_client)
-            _close(sock)
-            return
-        if victim is not None:
-            self._warnings.log(logging.WARNING, "full", "probe: %d connections open, cutting the one waiting longest "
-                               "(from %s)", self.max_connections, victim.host)
-            _shut(victim.sock, socket.SHUT_RDWR)
-        prefix = self._answer_at_once(sock, address)
-        if prefix is None:
-            return
-        thread = threading.Thread(target=self._serve, args=(sock, address, prefix), name="probe-conn", daemon=True)
-        try:
-            thread.start()
-        except RuntimeError:
-            self._forget(sock)
-            _close(sock)
-
-    def _answer_at_once(self, sock: socket.socket, address: Any) -> bytes | None:
-        """The common case without a thread: the whole request is already here and the answer fits the
-        socket's buffer. None when answered (and closed); else what was read, for the handler thread."""
+    # -- connections (admission, deadlines and caps: the server base's ConnectionLimits) --------------
+    def _answer_at_once(self, sock: socket.socket, address: Any) -> bool:
+        """On the accept loop, never blocking: the common case without a thread, where the whole request
+        is already here and the answer fits the socket's buffer. True when answered (or the client
+        left); False hands the connection to a thread with what was read or what is left to send."""
         try:
             sock.setblocking(False)
             try:
@@ -267,13 +226,13 @@ class ProbeServer:
         except (BlockingIOError, InterruptedError):
             head = b""
         except OSError:
-            self._forget(sock)
-            _close(sock)
-            return None
+            return True
         finally:
             sock.setblocking(True)
         if not (head and (b"\r\n\r\n" in head or b"\n\n" in head or len(head) > MAX_HEAD)):
-            return head  # nothing yet, or a part: the handler thread waits for the rest under the deadline
+            if head:
+                self._pending[sock] = (head, b"")
+            return False  # nothing yet, or a part: the handler thread waits for the rest under the deadline
         status, data = self.route(head if len(head) <= MAX_HEAD else b"")
         try:
             sock.setblocking(False)
@@ -284,50 +243,27 @@ class ProbeServer:
             sent = len(data)  # the client left: nothing more to say
         finally:
             sock.setblocking(True)
-        if sent < len(data):  # a full send buffer on a fresh socket: let a thread finish, under the deadline
-            threading.Thread(target=self._finish_send, args=(sock, data[sent:]), name="probe-send", daemon=True).start()
-            return None
+        if sent < len(data):  # a full send buffer on a fresh socket: a thread finishes, under the deadline
+            self._pending[sock] = (b"", data[sent:])
+            return False
         log.debug("probe %s: %s", address, status)
-        self._forget(sock)
-        _close(sock)
-        return None
+        return True
 
-    def _finish_send(self, sock: socket.socket, rest: bytes) -> None:
-        try:
-            sock.settimeout(self.client_timeout)
-            sock.sendall(rest)
-        except OSError:
-            pass
-        finally:
-            self._forget(sock)
-            _close(sock)
+    @property
+    def refused(self) -> int:
+        """Connections closed at once: their client had ``max_per_client`` open, or none could be cut."""
+        server = self._server
+        return server.refused_connections if server is not None else 0
 
-    def _serve(self, sock: socket.socket, address: Any, prefix: bytes = b"") -> None:
-        try:
-            server = self._server
-            if server is not None:
-                self._prefixes[sock] = prefix
-                _Handler(sock, address, server)
-        except Exception:
-            log.exception("probe: unexpected error serving %s", address)
-        finally:
-            self._prefixes.pop(sock, None)
-            self._forget(sock)
-            _close(sock)
-
-    def _done_reading(self, sock: socket.socket) -> None:
-        with self._conns_lock:
-            conn = self._conns.get(sock)
-            if conn is not None:
-                conn.reading = False
-
-    def _forget(self, sock: socket.socket) -> None:
-        with self._conns_lock:
-            self._conns.pop(sock, None)
+    @property
+    def evicted(self) -> int:
+        """Connections cut to make room for a new one (the one waiting longest for its request)."""
+        server = self._server
+        return server.cut_connections if server is not None else 0
 
     def open_connections(self) -> int:
-        with self._conns_lock:
-            return len(self._conns)
+        server = self._server
+        return server.open_connections() if server is not None else 0
 
     # -- lifecycle ----------------------------------------------------------------------------------
     @property
@@ -339,7 +275,7 @@ class ProbeServer:
         if self._server is not None:
             return self
         try:
-            server = _Server((self.host, self.port), _Handler)
+            server = _Server((self.host, self.port), _Handler, self.limits)
         except OSError as exc:
             raise ConfigError([f"probe.listen {host_port_text(self.host, self.port)}: cannot listen: "
                                f"{exc.strerror or exc}"]) from None
@@ -355,24 +291,6 @@ class ProbeServer:
         server, self._server = self._server, None
         if server is not None:
             server.stop()
-
-    def _cut_all(self) -> None:
-        with self._conns_lock:
-            open_socks = list(self._conns)
-        for sock in open_socks:
-            _shut(sock, socket.SHUT_RDWR)
-
-
-def _shut(sock: socket.socket, how: int) -> None:
-    try:
-        sock.shutdown(how)
-    except OSError:
-        pass
-
-
-def _close(sock: socket.socket) -> None:
-    _shut(sock, socket.SHUT_WR)
-    sock.close()  # socket.close() does not raise for a socket already closed
 
 
 class Maintenance:

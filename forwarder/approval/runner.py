@@ -67,7 +67,7 @@ class ActionRunner:
         self.vm = vm
         self.stop = stop
         self.clock = clock
-        self.on_outcome = on_outcome  # (kind, outcome) of every finished action: metrics
+        self.on_outcome = on_outcome  # (kind, final state) of every finished action: metrics
         self._wake = threading.Event()
         self._work = threading.Condition()
         self._threads: list[threading.Thread] = []
@@ -187,7 +187,7 @@ class ActionRunner:
                 action.kind, action.hook or action.rule or "", action.event_id, entry["Outcome"], entry["Reason"])
         if self.on_outcome is not None:
             try:
-                self.on_outcome(action.kind, str(entry["Outcome"]))
+                self.on_outcome(action.kind, state)  # done, failed, skipped, superseded: alertable, bounded
             except Exception:  # noqa: BLE001 - metrics must never stop an action
                 log.exception("action outcome observer failed")
 

@@ -1,13 +1,17 @@
-"""The one small HTTP-server base of the agent's three servers: approval callback, telemetry, emulator.
+"""The one small HTTP-server base of the agent's servers: approval callback, telemetry, maintenance probe, emulator.
 
 What they share lives here, once: the ``host:port`` listen parser, the address family taken from
 the parsed host, binding without a reverse-DNS lookup, the loopback decision (forwarder.common.loopback,
 on resolved addresses), the TLS context (certificate and key, TLS 1.2 at least), one quiet
 ``log_message`` (the module's logger, at debug), daemon threads, and start/stop in a background
 thread, and the connection limits every listener has (``ConnectionLimits``: total and
-per-client connection caps, a deadline for each request's headers, an idle timeout per read).
-What each server does with a connection (the emulator's raw-socket faults, telemetry's /metrics)
-stays in its own module; the approval callback keeps its own, stricter connection handling.
+per-client connection caps, a deadline for each request's headers, an idle timeout per read,
+and optionally cutting the connection that has waited longest for its request when all slots
+are taken). A server may answer a connection on the accept loop itself (``serve_at_once``, the
+maintenance probe's sub-millisecond path) before a thread is spent on it.
+What each server does with a connection (the emulator's raw-socket faults, telemetry's /metrics,
+the probe's one-request answers) stays in its own module; the approval callback keeps its own,
+stricter connection handling (docs/design-notes.md says why).
 """
 from __future__ import annotations
 
@@ -123,11 +127,14 @@ class ConnectionLimits:
     """What one listener lets clients hold: connections in all and per client (``client_key``), and
     ``request_timeout`` seconds for a request's line and headers (from the connection, or from the
     previous answer on a kept-alive one) and for any single read. A connection over a cap is closed
-    at once, before a thread is spent on it."""
+    at once, before a thread is spent on it — or, with ``cut_oldest_when_full``, when only the total
+    is reached, the connection that has waited longest for its request is cut to make room (idle
+    connections from many addresses then cannot lock a load balancer's probe out)."""
 
     max_connections: int = 64
     max_per_client: int = 16
     request_timeout: float = 10.0
+    cut_oldest_when_full: bool = False
 
     def __post_init__(self) -> None:
         if self.max_connections < 1 or self.max_per_client < 1 or not self.request_timeout > 0:
@@ -185,6 +192,21 @@ class _Deadlines:
         with self._cond:
             self._due.pop(sock, None)
 
+    def cut_oldest(self) -> socket.socket | None:
+        """Cut (both ways) the armed connection whose deadline comes first, i.e. the one waiting longest
+        for its request; None when every connection has its request."""
+        with self._cond:
+            armed = [(due, sock) for sock, due in self._due.items() if due is not None]
+            if not armed:
+                return None
+            victim = min(armed, key=lambda pair: pair[0])[1]
+            self._due[victim] = None
+        try:
+            victim.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        return victim
+
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
@@ -228,9 +250,9 @@ class QuietHandler(BaseHTTPRequestHandler):
 
     def parse_request(self) -> bool:
         ok = super().parse_request()
-        deadlines = getattr(self.server, "_deadlines", None)
-        if deadlines is not None:
-            deadlines.disarm(self.connection)
+        head_received = getattr(self.server, "head_received", None)
+        if head_received is not None:
+            head_received(self.connection)
         return ok
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's signature
@@ -262,63 +284,112 @@ class HttpServer(ThreadingHTTPServer):
         self._thread: threading.Thread | None = None
         self.limits = limits
         self._open: dict[str, int] = {}  # client_key -> connections being served
+        self._slots: dict[Any, str] = {}  # connection -> its client_key, while it holds a slot
         self._open_lock = threading.Lock()
         self._deadlines: _Deadlines | None = None
         self._refusals = RateLimitedLog(log, 60.0)
-        self.refused_connections = 0
+        self.refused_connections = 0  # closed at once: over a cap
+        self.cut_connections = 0  # cut to make room (``cut_oldest_when_full``)
         super().__init__((host, port), handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        """Runs on the accept loop, never blocks: a connection over a cap is closed, else served."""
+        """Runs on the accept loop, never blocks: a connection over a cap is closed (or the oldest
+        waiting one cut to make room), one ``serve_at_once`` answers is closed, else a thread serves it."""
         if self.limits is None:
             super().process_request(request, client_address)
             return
+        limits = self.limits
         key = client_key(client_address)
+        victim = None
         with self._open_lock:
             if self._deadlines is None:
                 self._deadlines = _Deadlines(type(self).__name__)
-            full = ("client" if self._open.get(key, 0) >= self.limits.max_per_client
-                    else "busy" if sum(self._open.values()) >= self.limits.max_connections else None)
+            full = ("client" if self._open.get(key, 0) >= limits.max_per_client
+                    else "busy" if len(self._slots) >= limits.max_connections else None)
+            if full == "busy" and limits.cut_oldest_when_full:
+                victim = self._deadlines.cut_oldest()
+                if victim is not None:
+                    self._take_slot(victim)  # its thread ends on the cut; the slot is free now
+                    self.cut_connections += 1
+                    full = None
             if full is None:
+                self._slots[request] = key
                 self._open[key] = self._open.get(key, 0) + 1
             else:
                 self.refused_connections += 1
+        if victim is not None:
+            self._refusals.log(logging.WARNING, "cut", "%s %s: %d connections open, cutting the one waiting "
+                               "longest for its request", type(self).__name__, self.url(), limits.max_connections)
         if full is not None:
             self._refusals.log(logging.WARNING, full, "%s %s: %s, closing a connection from %s",
                                type(self).__name__, self.url(),
-                               f"that client already has {self.limits.max_per_client} connections open"
-                               if full == "client" else f"{self.limits.max_connections} connections open", key)
+                               f"that client already has {limits.max_per_client} connections open"
+                               if full == "client" else f"{limits.max_connections} connections open", key)
             self.shutdown_request(request)
             return
-        thread = threading.Thread(target=self._serve_limited, args=(request, client_address, key),
+        try:
+            answered = self.serve_at_once(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
+            answered = True
+        if answered:
+            self._release(request)  # (on the accept loop: no one is admitted in between)
+            self.shutdown_request(request)
+            return
+        self._deadlines.arm(request, limits.request_timeout)  # from the accept: e.g. a TLS handshake in the handler
+        thread = threading.Thread(target=self._serve_limited, args=(request, client_address),
                                   name=f"{type(self).__name__}-conn", daemon=True)
         try:
             thread.start()
         except RuntimeError:
-            self._release(key)
+            self._deadlines.forget(request)
+            self._release(request)
             self.shutdown_request(request)
 
-    def _serve_limited(self, request: Any, client_address: Any, key: str) -> None:
+    def serve_at_once(self, request: Any, client_address: Any) -> bool:
+        """On the accept loop, before a thread is spent: True when the connection is fully answered (the
+        base then closes it), False to hand it to a handler thread. Must never block. Default: False."""
+        return False
+
+    def head_received(self, request: Any) -> None:
+        """The connection's request head is in: its deadline no longer runs and it is no longer a
+        candidate to be cut. (``QuietHandler`` calls this; a handler reading the socket itself must.)"""
+        deadlines = self._deadlines
+        if deadlines is not None:
+            deadlines.disarm(request)
+
+    def open_connections(self) -> int:
+        """Connections holding a slot (being read, answered, or waiting for a thread)."""
+        with self._open_lock:
+            return len(self._slots)
+
+    def _serve_limited(self, request: Any, client_address: Any) -> None:
         assert self.limits is not None and self._deadlines is not None
         deadlines = self._deadlines
         try:
             request.settimeout(self.limits.request_timeout)  # each read; a handler's own `timeout` wins
-            deadlines.arm(request, self.limits.request_timeout)  # e.g. a TLS handshake in the handler
             self.finish_request(request, client_address)
         except Exception:
             self.handle_error(request, client_address)
         finally:
             deadlines.forget(request)
             self.shutdown_request(request)
-            self._release(key)
+            self._release(request)
 
-    def _release(self, key: str) -> None:
+    def _release(self, request: Any) -> None:
         with self._open_lock:
-            left = self._open.get(key, 0) - 1
-            if left > 0:
-                self._open[key] = left
-            else:
-                self._open.pop(key, None)
+            self._take_slot(request)
+
+    def _take_slot(self, request: Any) -> None:
+        """Free ``request``'s slot (once: a connection cut to make room is not counted again). Holds the lock."""
+        key = self._slots.pop(request, None)
+        if key is None:
+            return
+        left = self._open.get(key, 0) - 1
+        if left > 0:
+            self._open[key] = left
+        else:
+            self._open.pop(key, None)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # socketserver prints a traceback to stderr; a client dropping its connection is no news.

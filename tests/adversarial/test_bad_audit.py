@@ -84,7 +84,7 @@ def test_a_refused_callback_request_with_a_huge_number_is_audited_by_the_real_ag
             url = f"http://127.0.0.1:{port}/approvals"
             bad = json.dumps({"StartRequests": [{"EventId": event_id}], "DocumentIncarnation": HUGE, "approver": 5}).encode()
             assert requests.post(url, data=bad, headers=signed(bad), timeout=10).status_code == 400
-            good = body_for(event_id, approver="alice", ResourceId=VmProfile("myVM").resource_id)
+            good = body_for(event_id, approver="alice", ResourceId=VmProfile("myVM").resource_id)  # names this VM
             assert requests.post(url, data=good, headers=signed(good), timeout=10).status_code == 200
             out = tmp_path / "out.jsonl"
             audits = wait_until(lambda: [r["data"] for r in read_jsonl(out) if r["type"].startswith("approval.")]

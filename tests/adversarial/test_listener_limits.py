@@ -1,12 +1,14 @@
 """Every listener has the same limits (the server base's): a local user opening hundreds of idle,
-half-sent requests against the telemetry endpoint or the IMDS emulator holds at most a few threads,
-for a bounded time, and legitimate requests from elsewhere are still answered.
+half-sent requests against the telemetry endpoint, the maintenance probe or the IMDS emulator holds
+at most a few threads, for a bounded time, and legitimate requests from elsewhere are still answered.
 
 The attacker connects from 127.0.0.2 (another loopback address, so another client for the
-per-client cap); the legitimate scraper from 127.0.0.1.
+per-client cap) — or, against the probe, from 40 addresses at once, so that the total cap and
+"cut the oldest" are what holds; the legitimate scraper or load balancer from 127.0.0.1.
 """
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -32,15 +34,16 @@ def threads_of(pid: int) -> int:
     raise AssertionError("no Threads line")
 
 
-def open_half_requests(host: str, port: int, count: int) -> list[socket.socket]:
+def open_half_requests(host: str, port: int, count: int, sources: tuple[str, ...] = ("127.0.0.2",),
+                       half: bytes = HALF_REQUEST) -> list[socket.socket]:
     socks = []
-    for _ in range(count):
+    for i in range(count):
         s = socket.socket()
-        s.bind(("127.0.0.2", 0))
+        s.bind((sources[i % len(sources)], 0))
         s.settimeout(10)
         try:
             s.connect((host, port))
-            s.sendall(HALF_REQUEST)
+            s.sendall(half)
         except OSError:
             s.close()  # refused at once: fine, that is a cap
             continue
@@ -76,20 +79,25 @@ def get(url: str) -> int:
         return response.status
 
 
+def listening_agent(tmp_path: Path, emu: Emulator, section: str, logged: str) -> tuple[AgentProcess, str]:
+    """A real agent with ``section`` listening on port 0, and the URL its log line ``logged (URL)`` names."""
+    config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state", extra=f'{section}\nlisten = "127.0.0.1:0"\n')
+    agent = AgentProcess(config, tmp_path / "agent.log")
+    try:
+        return agent, wait_until(lambda: re.search(logged + r" (http://\S+)", agent.logs()), 30, section)[1]
+    except BaseException:
+        agent.terminate()
+        raise
+
+
 def test_idle_half_sent_requests_against_metrics_hold_few_threads(tmp_path):
     pytest.importorskip("opentelemetry.exporter.prometheus")
     from forwarder.agent.telemetry import TELEMETRY_LIMITS
 
     with Emulator(vms=["web-0"]) as emu:
-        config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state",
-                              extra='[telemetry]\nlisten = "127.0.0.1:0"\n')
-        agent = AgentProcess(config, tmp_path / "agent.log")
+        agent, base = listening_agent(tmp_path, emu, "[telemetry]", "/metrics and /healthz on")
         socks: list[socket.socket] = []
         try:
-            import re
-
-            base = wait_until(lambda: re.search(r"/metrics and /healthz on (http://\S+)", agent.logs()), 30,
-                              "the telemetry endpoint")[1]
             assert get(base + "/metrics") == 200
             baseline = threads_of(agent.proc.pid)
             host, port = base.removeprefix("http://").rsplit(":", 1)
@@ -131,3 +139,37 @@ def test_the_emulator_bounds_idle_connections_too():
         finally:
             for s in socks:
                 s.close()
+
+
+def test_idle_half_sent_requests_against_the_probe_hold_few_threads(tmp_path):
+    """600 half-sent probe requests from 40 addresses (15 each: over the per-client cap, and 5 times
+    the total): the agent holds at most the total cap in threads, a load balancer's probe from
+    another address is answered at once, and the attackers are cut at the probe's head deadline."""
+    from forwarder.agent.probe import CLIENT_TIMEOUT, MAX_CONNECTIONS
+
+    sources = tuple(f"127.0.0.{10 + i}" for i in range(40))
+    with Emulator(vms=["web-0"]) as emu:
+        agent, url = listening_agent(tmp_path, emu, "[probe]", "maintenance probe on")
+        socks: list[socket.socket] = []
+        try:
+            assert get(url) == 200
+            baseline = threads_of(agent.proc.pid)
+            host, port = url.removeprefix("http://").split("/", 1)[0].rsplit(":", 1)
+            socks = open_half_requests(host, int(port), ATTACKERS, sources,
+                                       b"GET /maintenance HTTP/1.1\r\nHost: lb\r\nX-Slow: ")
+            settled(socks, MAX_CONNECTIONS)
+            held = threads_of(agent.proc.pid) - baseline
+            print(f"\nthreads held by {ATTACKERS} half-sent probe requests from {len(sources)} addresses: {held} "
+                  f"(total cap {MAX_CONNECTIONS})")
+            assert held <= MAX_CONNECTIONS + 2
+            started = time.monotonic()
+            for _ in range(5):
+                assert get(url) == 200  # cuts the oldest attacker to make room, answered on the accept loop
+            assert time.monotonic() - started < 5
+            wait_until(lambda: all(closed_by_server(s) for s in socks), CLIENT_TIMEOUT + 30,
+                       "the half-sent requests to be cut")
+            wait_until(lambda: threads_of(agent.proc.pid) <= baseline + 2, 30, "the threads to go")
+        finally:
+            for s in socks:
+                s.close()
+            assert agent.terminate() == 0

@@ -2,7 +2,7 @@
 
 A damaged ``state.db`` is salvaged table by table, whatever tables it has: the pending
 `sefwd approve` audits (inbox), the approvals, the webhook-id replay cache, the loss counters,
-the outcome evidence, and any table added later (here a ``later`` table, as another part of
+the outcome evidence, and any table added later (here a ``later_rows`` table the schema does not know, as another part of
 the agent may add). A table that cannot be copied is named in ``UncountedTables`` with its row
 count where readable. A lost replay cache must not reopen a replay window: callback requests
 signed before the salvage are refused (they are stale once the tolerance has passed).
@@ -42,15 +42,13 @@ def full_store(state: Path) -> dict[str, int]:
     store.add_webhook_id("digest-1", time.time() + 600)
     store.count_loss("hook", "evicted_size_cap", 7)
     with store.transaction() as c:
-        c.execute("CREATE TABLE later(id INTEGER PRIMARY KEY, event_id TEXT NOT NULL, action TEXT, state TEXT)")
-        c.execute("CREATE INDEX later_event ON later(event_id)")
-        c.executemany("INSERT INTO later(event_id, action, state) VALUES (?, ?, ?)",
+        c.execute("CREATE TABLE later_rows(id INTEGER PRIMARY KEY, event_id TEXT NOT NULL, action TEXT, state TEXT)")
+        c.execute("CREATE INDEX later_rows_event ON later_rows(event_id)")
+        c.executemany("INSERT INTO later_rows(event_id, action, state) VALUES (?, ?, ?)",
                       [("E-1", "hook", "done"), ("E-2", "approve", "pending")])
-        c.executemany("INSERT INTO actions(kind, event_id, change, event, state, due, created, updated) "
-                      "VALUES (?, ?, 'scheduled', '{}', ?, 0, 0, 0)", [("hook", "E-1", "done"), ("approve", "E-2", "running")])
         c.execute("UPDATE meta SET value = 'garbage' WHERE key = 'sequence'")
     counts = {t: store.query(f"SELECT count(*) FROM {t}")[0][0]
-              for t in ("inbox", "approvals", "webhook_ids", "losses", "actions", "later")}
+              for t in ("inbox", "approvals", "webhook_ids", "losses", "later_rows")}
     store.close()
     return counts
 
@@ -66,8 +64,7 @@ def test_every_table_is_salvaged_and_none_left_silently(tmp_path: Path) -> None:
         print(f"rows dropped without a word: {sum(lost.values())} in {sorted(lost)}; UncountedTables {loss.uncounted}")
         evidence = orjson.loads(store.meta().get("evidence") or b"{}")
         approvals = {r[0] for r in store.query("SELECT event_id FROM approvals")}
-        later = store.query("SELECT event_id, action, state FROM later ORDER BY id")
-        actions = store.query("SELECT kind, event_id, state FROM actions ORDER BY id")
+        later_rows = store.query("SELECT event_id, action, state FROM later_rows ORDER BY id")
         indexes = {r[0] for r in store.query("SELECT name FROM sqlite_master WHERE type = 'index'")}
         losses = store.losses()
     finally:
@@ -75,8 +72,7 @@ def test_every_table_is_salvaged_and_none_left_silently(tmp_path: Path) -> None:
     assert lost == {} and loss.uncounted == []
     assert evidence == EVIDENCE, "the outcome evidence is salvaged with the state"
     assert approvals == {"e-1", "e-2"}
-    assert later == [("E-1", "hook", "done"), ("E-2", "approve", "pending")] and "later_event" in indexes
-    assert actions == [("hook", "E-1", "done"), ("approve", "E-2", "running")], "a running action survives a salvage"
+    assert later_rows == [("E-1", "hook", "done"), ("E-2", "approve", "pending")] and "later_rows_event" in indexes
     assert losses["hook"] == {"evicted_size_cap": 7} and losses["*"] == {"database_damaged": 1}
 
 
@@ -106,14 +102,14 @@ def test_a_table_that_cannot_be_copied_is_named_with_its_row_count_where_readabl
     store, loss = open_agent_store(state)
     try:
         assert loss is not None
-        copied = {t: store.query(f"SELECT count(*) FROM {t}")[0][0] for t in ("webhook_ids", "actions", "later", "losses")}
+        copied = {t: store.query(f"SELECT count(*) FROM {t}")[0][0] for t in ("webhook_ids", "later_rows", "losses")}
     finally:
         store.close()
     print(f"UncountedTables {loss.uncounted}, UncountedRows {loss.uncounted_rows}")
     # Its rows are gone, but their number is still readable (from the primary key's index).
     assert loss.uncounted == ["approvals"] and loss.uncounted_rows == {"approvals": 2}
     assert loss.record_data()["UncountedRows"] == loss.uncounted_rows
-    assert copied == {"webhook_ids": 1, "actions": 2, "later": 2, "losses": 2}, "the other tables are still salvaged"
+    assert copied == {"webhook_ids": 1, "later_rows": 2, "losses": 2}, "the other tables are still salvaged"
 
 
 def test_a_lost_replay_cache_reopens_no_replay_window(tmp_path: Path) -> None:

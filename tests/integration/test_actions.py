@@ -25,6 +25,7 @@ from tests.integration.test_callback_agent import SECRET as CB_SECRET
 from tests.integration.test_callback_agent import body_for, signed
 from tests.integration.test_cli import sefwd
 
+MY_VM = VmProfile("myVM").resource_id  # a signed approval names the VM it is for
 SECRET = "whsec_" + "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3I="
 
 
@@ -346,7 +347,7 @@ after_hooks = true
         out = tmp_path / "out.jsonl"
         event_id = emu.schedule(type="Reboot", source="User", resources=["myVM"], start_after=600)
         wait_until(lambda: len(audits(out, "skipped", event_id)) == 2, 60, "both actions skipped")
-        body = body_for(event_id, approver="ops", ResourceId=VmProfile("myVM").resource_id)
+        body = body_for(event_id, approver="ops", ResourceId=MY_VM)
         answer = requests.post(f"http://127.0.0.1:{port}/approvals", data=body, headers=signed(body), timeout=30)
         assert (answer.status_code, answer.json()["reason"]) == (409, "dry_run")
         (held,) = wait_until(lambda: audits(out, "held", event_id), 60, "the callback's dry run audited")
@@ -451,7 +452,7 @@ def test_sigkill_after_a_callback_approval_was_posted_records_it_once_after_rest
         agent = AgentProcess(cfg, tmp_path / "a1.log", env={"CB_SECRET": CB_SECRET})
         event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600, complete_after=600)
         wait_until(lambda: any(r["subject"] == event_id for r in read_jsonl(out)), 60, "scheduled")
-        body = body_for(event_id, approver="ops", ResourceId=VmProfile("myVM").resource_id)
+        body = body_for(event_id, approver="ops", ResourceId=MY_VM)
 
         def ask() -> None:
             try:

@@ -1,4 +1,4 @@
-"""The HTTP-server base of the callback, telemetry and emulator servers, on real sockets."""
+"""The HTTP-server base of the callback, telemetry, probe and emulator servers, on real sockets."""
 from __future__ import annotations
 
 import http.client
@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import trustme
 
-from forwarder.common.http_server import HttpServer, QuietHandler, address_family, tls_server_context
+from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler, address_family, tls_server_context
+from tests.agent import wait_until
 
 
 class _Hello(QuietHandler):
@@ -162,3 +163,95 @@ def test_tls_context_refuses_a_mismatched_pair(tmp_path: Path) -> None:
     other.private_key_pem.write_to_path(str(tmp_path / "tls.key"))
     with pytest.raises(ssl.SSLError):
         tls_server_context(tmp_path / "tls.crt", tmp_path / "tls.key")
+
+
+# -- the connection limits' two opt-ins: cut the oldest waiting connection; answer on the accept loop --
+
+def _closed(s: socket.socket, timeout: float = 10.0) -> bool:
+    """Whether the server closed ``s`` (EOF or reset) within ``timeout``."""
+    ready, _, _ = select.select([s], [], [], timeout)
+    if not ready:
+        return False
+    try:
+        return s.recv(1) == b""
+    except OSError:
+        return True
+
+
+def test_when_full_the_connection_waiting_longest_is_cut_and_the_newcomer_served() -> None:
+    limits = ConnectionLimits(max_connections=3, max_per_client=3, request_timeout=60.0, cut_oldest_when_full=True)
+    server = HttpServer(("127.0.0.1", 0), _Hello, limits)
+    server.start("cut-oldest")
+    idle: list[socket.socket] = []
+    try:
+        for source in ("127.0.0.11", "127.0.0.12", "127.0.0.13"):
+            s = socket.socket()
+            s.bind((source, 0))
+            s.connect(("127.0.0.1", server.port))
+            idle.append(s)
+            wait_until(lambda: server.open_connections() == len(idle), 10, "the server to hold it")  # in order
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/")
+        assert conn.getresponse().read() == b"hello\n"  # served: a slot was made, not refused
+        conn.close()
+        assert _closed(idle[0]) and server.cut_connections == 1 and server.refused_connections == 0
+        assert not _closed(idle[1], 0.2) and not _closed(idle[2], 0.2)  # the younger ones are kept
+    finally:
+        for s in idle:
+            s.close()
+        server.stop()
+
+
+def test_without_the_opt_in_a_full_server_refuses_the_newcomer() -> None:
+    limits = ConnectionLimits(max_connections=1, max_per_client=1, request_timeout=60.0)
+    server = HttpServer(("127.0.0.1", 0), _Hello, limits)
+    server.start("refuse")
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as held:
+            wait_until(lambda: server.open_connections() == 1, 10, "the server to hold it")
+            with socket.socket() as late:
+                late.bind(("127.0.0.2", 0))
+                late.connect(("127.0.0.1", server.port))
+                assert _closed(late)
+            assert not _closed(held, 0.2) and server.refused_connections == 1 and server.cut_connections == 0
+    finally:
+        server.stop()
+
+
+class _AtOnce(HttpServer):
+    """Answers a request that is already there on the accept loop; the rest go to a handler thread."""
+
+    def serve_at_once(self, request: socket.socket, client_address: object) -> bool:
+        request.setblocking(False)
+        try:
+            head = request.recv(4096, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        finally:
+            request.setblocking(True)
+        if not head.endswith(b"\r\n\r\n"):
+            return False
+        request.recv(len(head))
+        request.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\nConnection: close\r\n\r\nat once")
+        return True
+
+
+def test_serve_at_once_answers_without_a_thread_and_frees_the_slot() -> None:
+    server = _AtOnce(("127.0.0.1", 0), _Hello, ConnectionLimits(max_connections=2, max_per_client=2))
+    clients = []
+    try:
+        for _ in range(5):  # more than the caps, all waiting in the backlog with their whole request sent
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            clients.append(s)
+        server.start("at-once")
+        for s in clients:
+            answer = b""
+            while chunk := s.recv(100):
+                answer += chunk
+            assert answer.endswith(b"at once")  # each answered on the accept loop, its slot freed at once
+        assert server.refused_connections == 0 and server.open_connections() == 0
+    finally:
+        for s in clients:
+            s.close()
+        server.stop()

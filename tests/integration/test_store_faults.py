@@ -65,11 +65,10 @@ def small_fs(tmp_path: Path):
 def fill(directory: Path) -> Path:
     """Write a file until the file system is full; returns it."""
     filler = directory / "filler"
-    with open(filler, "wb") as fh:
+    with open(filler, "wb", buffering=0) as fh:  # unbuffered: nothing left for close() to fail on
         try:
             while True:
                 fh.write(b"\0" * 65536)
-                fh.flush()
         except OSError:
             pass
     return filler
