@@ -26,6 +26,7 @@ from standardwebhooks.webhooks import Webhook
 from forwarder.approval.callback import ApprovalRequest, CallbackServer, Verdict
 from forwarder.approval.settings import CallbackSettings
 from forwarder.common.signing import generate_secret, parse_secret, sign_headers
+from tests.conftest import examples
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,7 +34,7 @@ SECRET_A, SECRET_B, SECRET_UNKNOWN = generate_secret(), generate_secret(), gener
 KEY_A, KEY_B, KEY_UNKNOWN = (parse_secret(s) for s in (SECRET_A, SECRET_B, SECRET_UNKNOWN))
 MAX_BODY = 2048
 TOLERANCE = 300.0
-FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 class Recorder:

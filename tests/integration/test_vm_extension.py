@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from forwarder.emulator import Emulator
 from tests.agent import AgentProcess, wait_until, write_config
+from tests.conftest import examples
 from tests.peers.guest_agent import LIMITS, OUTPUT_MAX, GuestAgent, Report, Settings, format_output
 
 REPO = Path(__file__).resolve().parents[2]
@@ -382,7 +383,7 @@ _values = st.recursive(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.dictionaries(st.text(max_size=8), _values, max_size=5))
 def test_toml_writer_round_trips_any_json_settings(public: dict) -> None:
     handler = load_handler_module()
