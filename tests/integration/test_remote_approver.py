@@ -356,6 +356,7 @@ def _status(emu: Any, event_id: str) -> str | None:
 
 
 @CALLBACK_SKIP
+@pytest.mark.xdist_group("remote-approver-live")  # one worker, one module-scoped agent
 def test_decide_and_sign_against_the_real_callback(live):
     emu, out = live["emu"], live["out"]
     event_id = emu.schedule(type="Freeze", duration=5, resources=["WestNO_1", "WestNO_0"],
@@ -383,6 +384,7 @@ def test_decide_and_sign_against_the_real_callback(live):
 
 @CALLBACK_SKIP
 @pytest.mark.skipif(not HAS_FUNCTIONS, reason="azure-functions is not installed")
+@pytest.mark.xdist_group("remote-approver-live")  # one worker, one module-scoped agent
 def test_function_app_http_trigger_against_the_real_callback(live, monkeypatch):
     import azure.functions as func
     import function_app
