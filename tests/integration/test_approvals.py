@@ -218,7 +218,6 @@ def sample_vs_sefwd(tmp_path_factory):
             emu_sefwd.stop()
 
 
-@pytest.mark.xdist_group("seed-sample")  # one worker plays the module fixture (pytest -n --dist loadgroup)
 @pytest.mark.parametrize("name", SAMPLE_SCENARIOS)
 def test_seed_policy_approves_what_the_seed_sample_approves(sample_vs_sefwd, name):
     by_sample, by_sefwd = sample_vs_sefwd[name]

@@ -2,7 +2,6 @@
 reaches IMDS; a valid request signed by the independent `standardwebhooks` package is one POST."""
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from datetime import datetime, timezone
@@ -14,18 +13,15 @@ from standardwebhooks.webhooks import Webhook
 
 from forwarder.emulator import Emulator
 from forwarder.common.signing import generate_secret, parse_secret, sign_headers
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.agent import AgentProcess, callback_url, read_jsonl, wait_until, write_config
 
 SECRET = generate_secret()
 
 
 def start_agent(config, log) -> tuple[AgentProcess, str]:
-    """The agent, and its callback URL once listening (it binds port 0: the URL is read from its log)."""
+    """The agent, and its callback URL once listening (it binds port 0)."""
     proc = AgentProcess(config, log, env={"CB_SECRET": SECRET})
-    found = wait_until(lambda: re.search(r"approval callback listening on (http://127\.0\.0\.1:\d+/approvals)", proc.logs())
-                       or not proc.alive(), 60, "callback listening")
-    assert proc.alive(), proc.logs()[-3000:]
-    return proc, found.group(1)
+    return proc, callback_url(proc)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.agent import AgentProcess, callback_url, read_jsonl, wait_until, write_config
 
 APP_DIR = Path(__file__).resolve().parents[2] / "deploy" / "consumers" / "remote-approver"
 if str(APP_DIR) not in sys.path:
@@ -324,26 +324,16 @@ def live(tmp_path_factory):
     from forwarder.emulator import Emulator
 
     tmp = tmp_path_factory.mktemp("remote-approver")
-    port = free_port()
     with Emulator(vms=["WestNO_0", "WestNO_1"], rate_limit=None) as emu:
-        extra = (f'[approval]\nscope = "self_or_leader"\n'
-                 f'[approval.callback]\nlisten = "127.0.0.1:{port}"\nsecret_env = "SEFWD_CALLBACK_SECRET"\n')
+        extra = ('[approval]\nscope = "self_or_leader"\n'
+                 '[approval.callback]\nlisten = "127.0.0.1:0"\nsecret_env = "SEFWD_CALLBACK_SECRET"\n')
         config = write_config(tmp / "sefwd.toml", emu.vm_url("WestNO_0"), tmp / "state", extra=extra)
         agent = AgentProcess(config, tmp / "agent.log", env={"SEFWD_CALLBACK_SECRET": CALLBACK_SECRET})
         try:
-            wait_until(lambda: _listening(port) or not agent.alive(), 30, "the agent's callback to listen")
-            assert agent.alive(), agent.logs()
-            yield {"emu": emu, "agent": agent, "out": tmp / "out.jsonl", "url": f"http://127.0.0.1:{port}/approvals"}
+            url = callback_url(agent)  # port 0: the OS picks, the agent's log says
+            yield {"emu": emu, "agent": agent, "out": tmp / "out.jsonl", "url": url}
         finally:
             agent.terminate()
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def _scheduled_record(out: Path, event_id: str) -> dict[str, Any]:
@@ -356,7 +346,6 @@ def _status(emu: Any, event_id: str) -> str | None:
 
 
 @CALLBACK_SKIP
-@pytest.mark.xdist_group("remote-approver-live")  # one worker, one module-scoped agent
 def test_decide_and_sign_against_the_real_callback(live):
     emu, out = live["emu"], live["out"]
     event_id = emu.schedule(type="Freeze", duration=5, resources=["WestNO_1", "WestNO_0"],
@@ -384,7 +373,6 @@ def test_decide_and_sign_against_the_real_callback(live):
 
 @CALLBACK_SKIP
 @pytest.mark.skipif(not HAS_FUNCTIONS, reason="azure-functions is not installed")
-@pytest.mark.xdist_group("remote-approver-live")  # one worker, one module-scoped agent
 def test_function_app_http_trigger_against_the_real_callback(live, monkeypatch):
     import azure.functions as func
     import function_app

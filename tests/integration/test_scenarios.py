@@ -11,9 +11,6 @@ import pytest
 from forwarder.emulator import Emulator, builtin_scenarios, load_scenario
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 
-# One worker runs the whole module: its fixture plays every scenario at once (pytest -n --dist loadgroup).
-pytestmark = pytest.mark.xdist_group("scenarios")
-
 EXPECTED = {
     "live-migration-freeze": [("C7061BAC-AFDC-4513-B24B-AA5F13A16123", ["scheduled", "started", "completed"])],
     "user-reboot": [("5DD55B64-45AD-49D3-BBC9-F57D4EA97BD7", ["scheduled", "started", "completed"])],
