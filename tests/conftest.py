@@ -3,7 +3,9 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
 from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,3 +29,41 @@ settings.load_profile(HYPOTHESIS_PROFILE)
 def examples(count: int) -> int:
     """``count`` Hypothesis examples in the "ci" profile, a tenth (at least 10) in "dev"."""
     return max(10, round(count * HYPOTHESIS_PROFILES[HYPOTHESIS_PROFILE]))
+
+
+# -- parallel runs (pytest -n N, pytest-xdist) ----------------------------------------------------
+# One test file runs on one worker (as with --dist loadfile), so a module-scoped fixture is set up
+# once. The files are handed out longest first: the files holding a slow test, then by number of
+# tests, so that a long file never starts last and holds the run up alone at the end.
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "load":  # an explicit --dist loadfile, loadscope, ... is obeyed
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileLongestFirst(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _file_of(nodeid)
+
+    config.option.loadscopereorder = False  # the workers' collection order already says which file first
+    return ByFileLongestFirst(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):  # only an xdist worker's collection: a plain run keeps its order
+        return
+    sizes: dict[str, int] = {}
+    slow: set[str] = set()
+    for item in items:
+        path = _file_of(item.nodeid)
+        sizes[path] = sizes.get(path, 0) + 1
+        if item.get_closest_marker("slow") is not None:
+            slow.add(path)
+    # A stable sort: each file's tests stay together and in their order (random order included).
+    items.sort(key=lambda item: (_file_of(item.nodeid) not in slow, -sizes[_file_of(item.nodeid)]))
