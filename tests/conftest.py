@@ -32,12 +32,27 @@ def examples(count: int) -> int:
 
 
 # -- parallel runs (pytest -n N, pytest-xdist) ----------------------------------------------------
-# One test file runs on one worker (as with --dist loadfile), so a module-scoped fixture is set up
-# once. The files are handed out longest first: the files holding a slow test, then by number of
-# tests, so that a long file never starts last and holds the run up alone at the end.
+# Tests are handed to the workers one test function at a time (all parametrizations of a function
+# together, so a module-scoped fixture only they use is set up once), except that a file defining a
+# module- or class-scoped fixture stays on one worker. The files holding slow tests go first, then
+# the biggest, so that a long test never starts last and holds the run up alone at the end.
 
 def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
+
+
+_SHARES_FIXTURES: dict[str, bool] = {}
+
+
+def _shares_fixtures(path: str) -> bool:
+    """Whether the test file defines a fixture shared by its tests (module or class scope)."""
+    if path not in _SHARES_FIXTURES:
+        try:
+            text = (ROOT / path).read_text(encoding="utf-8")
+        except OSError:
+            text = 'scope="module"'  # unknown: the safe choice, one worker
+        _SHARES_FIXTURES[path] = any(f"scope={q}{s}{q}" in text for q in "\"'" for s in ("module", "class", "package"))
+    return _SHARES_FIXTURES[path]
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -46,12 +61,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByFileLongestFirst(LoadScopeScheduling):  # type: ignore[misc]
+    class ByFunctionOrSharingFile(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            return _file_of(nodeid)
+            path = _file_of(nodeid)
+            return path if _shares_fixtures(path) else nodeid.split("[", 1)[0]
 
-    config.option.loadscopereorder = False  # the workers' collection order already says which file first
-    return ByFileLongestFirst(config, log)
+    config.option.loadscopereorder = False  # the workers' collection order already says what goes first
+    return ByFunctionOrSharingFile(config, log)
 
 
 @pytest.hookimpl(trylast=True)

@@ -218,6 +218,7 @@ def sample_vs_sefwd(tmp_path_factory):
             emu_sefwd.stop()
 
 
+@pytest.mark.slow  # every built-in scenario replayed in real time, twice
 @pytest.mark.parametrize("name", SAMPLE_SCENARIOS)
 def test_seed_policy_approves_what_the_seed_sample_approves(sample_vs_sefwd, name):
     by_sample, by_sefwd = sample_vs_sefwd[name]

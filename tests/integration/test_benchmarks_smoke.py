@@ -83,6 +83,7 @@ def test_benchmarks_import_no_test_module() -> None:
     assert not [p for p in (ROOT / "benchmarks").rglob("*.py") if "sys.path" in p.read_text()]
 
 
+@pytest.mark.slow  # a benchmark run
 def test_footprint_benchmark_measures_both_configurations_after_every_sink_delivered(tmp_path: Path) -> None:
     for module in ("azure.eventhub", "azure.monitor.ingestion", "azure.monitor.opentelemetry.exporter",
                    "opentelemetry.exporter.prometheus", "trustme"):

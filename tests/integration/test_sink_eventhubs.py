@@ -61,7 +61,7 @@ def peer(tmp_path: Path) -> Iterator[EventHubsPeer]:
         yield p
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per xdist worker: its tests may be spread over workers
 def tls_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EventHubsPeer]:
     """A peer that listens as the service does: AMQPS and AMQP over secure WebSocket, test CA."""
     with EventHubsPeer(tls=True, log=tmp_path_factory.mktemp("tls-peer") / "peer.log") as p:
@@ -471,6 +471,7 @@ def test_a_peer_hanging_in_the_tls_handshake_is_abandoned_without_a_thread_per_s
     assert got[0]["message_id"] == record.id, [(e["message_id"], orjson.loads(e["body"])["sequence"]) for e in got[:3]]
 
 
+@pytest.mark.slow  # a benchmark run
 def test_the_cpu_benchmark_runs_both_implementations_side_by_side(tmp_path):
     out = tmp_path / "eventhubs.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.eventhubs_send", "--smoke", "--out", str(out)],

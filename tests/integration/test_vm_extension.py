@@ -59,7 +59,7 @@ def _openssl(*args: str, input: bytes | None = None) -> bytes:
     return subprocess.run(["openssl", *args], input=input, check=True, capture_output=True, timeout=60).stdout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per xdist worker: its tests may be spread over workers
 def waagent(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A waagent dir holding a self-signed certificate and key named by thumbprint, as waagent stores them."""
     if shutil.which("openssl") is None:
@@ -441,7 +441,7 @@ exit 1
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per xdist worker: its tests may be spread over workers
 def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The extension zip as build.sh makes it (no wheel: install is skipped or replaced)."""
     out = tmp_path_factory.mktemp("dist")
