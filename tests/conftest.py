@@ -72,7 +72,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not hasattr(config, "workerinput"):  # only an xdist worker's collection: a plain run keeps its order
+    if not hasattr(config, "workerinput") or _random_order(config):  # a plain or random-order run keeps its order
         return
     sizes: dict[str, int] = {}
     slow: set[str] = set()
@@ -83,3 +83,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             slow.add(path)
     # A stable sort: each file's tests stay together and in their order (random order included).
     items.sort(key=lambda item: (_file_of(item.nodeid) not in slow, -sizes[_file_of(item.nodeid)]))
+
+
+def _random_order(config: pytest.Config) -> bool:
+    """Whether pytest-random-order shuffles this run (--random-order, --random-order-bucket/-seed)."""
+    try:
+        from random_order.config import Config
+    except ImportError:
+        return False
+    try:
+        return bool(Config(config).is_enabled)
+    except ValueError:  # the plugin is installed but not loaded (-p no:random_order)
+        return False
