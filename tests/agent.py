@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -134,3 +135,16 @@ def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_CALLBACK_LISTENING = re.compile(r"approval callback listening on (https?://\S+?/approvals)")
+
+
+def callback_url(agent: AgentProcess, timeout: float = 60) -> str:
+    """The URL of the agent's approval callback once it listens, read from its log: a test configures
+    ``listen = "127.0.0.1:0"`` and the OS picks a free port (no port picked beforehand that another
+    test could take in between)."""
+    found = wait_until(lambda: _CALLBACK_LISTENING.search(agent.logs()) or not agent.alive(), timeout,
+                       "the approval callback to listen")
+    assert isinstance(found, re.Match), f"the agent exited: {agent.logs()[-3000:]}"
+    return found.group(1)

@@ -1,10 +1,97 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SEEDS = ROOT.parent / "shared" / "seeds"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# Hypothesis profiles, chosen by SEFWD_HYPOTHESIS: "ci" (the default, what the README's test command
+# and CI run) gives every property the example count its test asks for; "dev" (the inner loop) a tenth.
+# A test with its own count writes `@settings(max_examples=examples(2000))`.
+HYPOTHESIS_PROFILES = {"ci": 1.0, "dev": 0.1}
+HYPOTHESIS_PROFILE = os.environ.get("SEFWD_HYPOTHESIS", "ci")
+if HYPOTHESIS_PROFILE not in HYPOTHESIS_PROFILES:
+    raise RuntimeError(f"SEFWD_HYPOTHESIS must be one of {', '.join(HYPOTHESIS_PROFILES)}, got {HYPOTHESIS_PROFILE!r}")
+settings.register_profile("ci", print_blob=True)
+settings.register_profile("dev", max_examples=10)
+settings.load_profile(HYPOTHESIS_PROFILE)
+
+
+def examples(count: int) -> int:
+    """``count`` Hypothesis examples in the "ci" profile, a tenth (at least 10) in "dev"."""
+    return max(10, round(count * HYPOTHESIS_PROFILES[HYPOTHESIS_PROFILE]))
+
+
+# -- parallel runs (pytest -n N, pytest-xdist) ----------------------------------------------------
+# Tests are handed to the workers one test function at a time (all parametrizations of a function
+# together, so a module-scoped fixture only they use is set up once), except that a file defining a
+# module- or class-scoped fixture stays on one worker. The files holding slow tests go first, then
+# the biggest, so that a long test never starts last and holds the run up alone at the end.
+
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+_SHARES_FIXTURES: dict[str, bool] = {}
+
+
+def _shares_fixtures(path: str) -> bool:
+    """Whether the test file defines a fixture shared by its tests (module or class scope)."""
+    if path not in _SHARES_FIXTURES:
+        try:
+            text = (ROOT / path).read_text(encoding="utf-8")
+        except OSError:
+            text = 'scope="module"'  # unknown: the safe choice, one worker
+        _SHARES_FIXTURES[path] = any(f"scope={q}{s}{q}" in text for q in "\"'" for s in ("module", "class", "package"))
+    return _SHARES_FIXTURES[path]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "load":  # an explicit --dist loadfile, loadscope, ... is obeyed
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFunctionOrSharingFile(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = _file_of(nodeid)
+            return path if _shares_fixtures(path) else nodeid.split("[", 1)[0]
+
+    config.option.loadscopereorder = False  # the workers' collection order already says what goes first
+    return ByFunctionOrSharingFile(config, log)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput") or _random_order(config):  # a plain or random-order run keeps its order
+        return
+    sizes: dict[str, int] = {}
+    slow: set[str] = set()
+    for item in items:
+        path = _file_of(item.nodeid)
+        sizes[path] = sizes.get(path, 0) + 1
+        if item.get_closest_marker("slow") is not None:
+            slow.add(path)
+    # A stable sort: each file's tests stay together and in their order (random order included).
+    items.sort(key=lambda item: (_file_of(item.nodeid) not in slow, -sizes[_file_of(item.nodeid)]))
+
+
+def _random_order(config: pytest.Config) -> bool:
+    """Whether pytest-random-order shuffles this run (--random-order, --random-order-bucket/-seed)."""
+    try:
+        from random_order.config import Config
+    except ImportError:
+        return False
+    try:
+        return bool(Config(config).is_enabled)
+    except ValueError:  # the plugin is installed but not loaded (-p no:random_order)
+        return False

@@ -19,7 +19,8 @@ A service manager that fails, hangs (each call is bounded: disable --now 60 s, d
 30 s) or is absent does not stop the uninstall: it is reported as a warning and the rest is
 removed; the exit status is 0. Running it again is harmless.
 $SEFWD_SYSTEMCTL, if set, is the command called instead of systemctl (same arguments), also
-with --prefix (tests use it to stand in for a failing or missing service manager).
+with --prefix (tests use it to stand in for a failing or missing service manager);
+$SEFWD_SYSTEMCTL_LIMIT (seconds), if set, shortens every call's limit to at most that.
 EOF
 }
 
@@ -35,6 +36,9 @@ svc() {
     local limit="$1" quiet="$2" rc=0 out cmd=(systemctl)
     shift 2
     if [ -n "${SEFWD_SYSTEMCTL:-}" ]; then read -r -a cmd <<<"$SEFWD_SYSTEMCTL"; fi
+    if [[ "${SEFWD_SYSTEMCTL_LIMIT:-}" =~ ^[1-9][0-9]*$ ]] && [ "$SEFWD_SYSTEMCTL_LIMIT" -lt "$limit" ]; then
+        limit="$SEFWD_SYSTEMCTL_LIMIT"
+    fi
     out="$(mktemp 2>/dev/null)" || out=""
     if command -v timeout >/dev/null 2>&1; then
         timeout -k 5 "$limit" "${cmd[@]}" "$@" >"${out:-/dev/null}" 2>&1 </dev/null || rc=$?

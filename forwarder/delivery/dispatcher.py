@@ -95,7 +95,8 @@ class SinkWorker:
                 elif self.draining.is_set():
                     break  # shutting down and nothing left
                 else:
-                    self.store.wait(self.position, IDLE_WAIT)  # woken by every commit and by close()
+                    # Woken by every commit and by close(), which sets draining or halt first.
+                    self.store.wait(self.position, IDLE_WAIT, unless=(self.draining, self.halt))
                 if time.monotonic() - collected >= COLLECT_EVERY:
                     collected = time.monotonic()
                     self.store.collect()

@@ -304,8 +304,8 @@ class _Handler(QuietHandler):
             return 400
         assert version is not None
         if endpoint == "scheduledevents":
-            if emu.platform.first_call(vm) and emu.first_call_delay > 0:
-                emu.stop_event.wait(emu.first_call_delay)
+            if emu.platform.first_call(vm) and emu.first_call_delay > 0 and emu.stop_event.wait(emu.first_call_delay):
+                return self._released_by_stop()
             return self._post_events(emu, vm, version, body) if method == "POST" else self._get_events(emu, version)
         if endpoint == "instance":
             compute = emu.platform.vms[vm].compute()
@@ -326,6 +326,17 @@ class _Handler(QuietHandler):
             ok = looks_like_version(version) and version >= MIN_COMPUTE_VERSION
         return None if ok else "Bad request. api-version is invalid. For more information refer to aka.ms/azureimds"
 
+    def _released_by_stop(self) -> str:
+        """A request held until the emulator stopped gets no answer: its connection is closed. Answering
+        would race ``stop()`` cutting the connection (a client then saw either a 200 or RemoteDisconnected)."""
+        self.close_connection = True
+        self._record("stopped")
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        return "stopped"
+
     def _apply_fault(self, emu: Emulator, fault: Fault) -> int | str | None:
         log.info("emulator: injecting %s fault (%s)", fault.kind, fault.status or fault.delay or "")
         if fault.kind in SHAPING_KINDS:
@@ -337,12 +348,13 @@ class _Handler(QuietHandler):
                     self.wfile.write(head)
                     self.wfile.flush()
                     if emu.stop_event.wait(fault.delay or 0):
-                        break
+                        return self._released_by_stop()
             except OSError:
                 pass
             return None
         if fault.kind == "slow":
-            emu.stop_event.wait(fault.delay or 0)
+            if emu.stop_event.wait(fault.delay or 0):
+                return self._released_by_stop()
             return None
         if fault.kind in ("hang", "drop"):
             if fault.kind == "hang":

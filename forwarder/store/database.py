@@ -393,13 +393,17 @@ class Store:
                 c.execute("DELETE FROM records WHERE id < ?", (low[0],))
         self.size = max(0, self.size - int(freed))
 
-    def wait(self, position: int, timeout: float) -> bool:
-        """Wait until a record at or past ``position`` may exist (or timeout)."""
+    def wait(self, position: int, timeout: float, unless: Sequence[threading.Event] = ()) -> bool:
+        """Wait until a record at or past ``position`` may exist (or timeout), or one of ``unless`` is set.
+
+        ``unless`` is checked under the same lock as ``wake()`` takes: an event set just before a
+        ``wake()`` is never missed (a worker told to drain does not sleep through it).
+        """
         with self.changed:
-            if position < self.next_index:
+            if position < self.next_index or any(event.is_set() for event in unless):
                 return True
             self.changed.wait(timeout)
-            return position < self.next_index
+            return position < self.next_index or any(event.is_set() for event in unless)
 
     def refresh(self) -> bool:
         """Whether another connection committed since the last look (``sefwd approve``, a replay)."""

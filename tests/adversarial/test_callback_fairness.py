@@ -7,6 +7,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import orjson
 import pytest
@@ -16,17 +17,11 @@ from forwarder.approval.callback import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLI
 from forwarder.emulator import Emulator
 from forwarder.emulator.model import VmProfile
 from forwarder.common.signing import generate_secret, parse_secret, sign_headers
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.agent import AgentProcess, callback_url, read_jsonl, wait_until, write_config
 
 pytestmark = pytest.mark.timeout(180)
 
 SECRET = generate_secret()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def idle_connection(port: int, source: str) -> socket.socket | None:
@@ -42,20 +37,21 @@ def idle_connection(port: int, source: str) -> socket.socket | None:
     return sock
 
 
-def start_agent(tmp_path: Path, emu: Emulator, port: int, client_timeout: str) -> AgentProcess:
+def start_agent(tmp_path: Path, emu: Emulator, client_timeout: str) -> tuple[AgentProcess, int]:
+    """The agent and its callback's port (it listens on port 0: the port is read from its log)."""
     config = write_config(tmp_path / "c.toml", emu.vm_url("vm0"), tmp_path / "state", extra=(
         "[approval.callback]\n"
-        f'listen = "127.0.0.1:{port}"\nsecret_env = "CB_SECRET"\nrate_limit = 600\n'
+        'listen = "127.0.0.1:0"\nsecret_env = "CB_SECRET"\nrate_limit = 600\n'
         f'client_timeout = "{client_timeout}"\n'
     ))
-    return AgentProcess(config, tmp_path / "agent.log", env={"CB_SECRET": SECRET})
+    agent = AgentProcess(config, tmp_path / "agent.log", env={"CB_SECRET": SECRET})
+    return agent, urlsplit(callback_url(agent)).port or 0
 
 
 def test_idle_connections_from_one_client_do_not_starve_another(tmp_path):
-    port = free_port()
     with Emulator(vms=["vm0"], rate_limit=None) as emu:
         # client_timeout: long enough that the idle connections are still held when the signed request comes.
-        agent = start_agent(tmp_path, emu, port, "60s")
+        agent, port = start_agent(tmp_path, emu, "60s")
         held: list[socket.socket] = []
         try:
             wait_until(lambda: read_jsonl(tmp_path / "out.jsonl"), 60, "the agent's first records")
@@ -97,9 +93,8 @@ def read_answer(sock: socket.socket, timeout: float) -> bytes:
 
 
 def test_idle_and_dripping_connections_are_cut_at_the_deadline(tmp_path):
-    port = free_port()
     with Emulator(vms=["vm0"], rate_limit=None) as emu:
-        agent = start_agent(tmp_path, emu, port, "1s")
+        agent, port = start_agent(tmp_path, emu, "1s")
         try:
             wait_until(lambda: "approval callback listening" in agent.logs(), 60, "the callback listening")
             idle = idle_connection(port, "127.0.0.2")

@@ -4,11 +4,13 @@ from __future__ import annotations
 import math
 import string
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forwarder.common.logs import redact
 from forwarder.common.values import duration, parse_duration, parse_size, size
+from tests.conftest import examples
 
 ANY_VALUE = st.one_of(
     st.text(), st.floats(allow_nan=True, allow_infinity=True), st.integers(), st.booleans(), st.none(),
@@ -17,7 +19,8 @@ ANY_VALUE = st.one_of(
 )
 
 
-@settings(max_examples=2000, deadline=None)
+@pytest.mark.slow  # a large property run
+@settings(max_examples=examples(2000), deadline=None)
 @given(ANY_VALUE)
 def test_a_duration_is_finite_bounded_or_a_value_error(value):
     try:
@@ -27,7 +30,8 @@ def test_a_duration_is_finite_bounded_or_a_value_error(value):
     assert isinstance(seconds, float) and math.isfinite(seconds) and 0.0 <= seconds <= 86400.0
 
 
-@settings(max_examples=2000, deadline=None)
+@pytest.mark.slow  # a large property run
+@settings(max_examples=examples(2000), deadline=None)
 @given(ANY_VALUE)
 def test_a_size_is_a_bounded_int_or_a_value_error(value):
     try:
@@ -37,7 +41,8 @@ def test_a_size_is_a_bounded_int_or_a_value_error(value):
     assert type(number) is int and 0 <= number <= 1024**3
 
 
-@settings(max_examples=1000, deadline=None)
+@pytest.mark.slow  # a large property run
+@settings(max_examples=examples(1000), deadline=None)
 @given(ANY_VALUE)
 def test_raw_parsers_raise_only_value_error(value):
     for parse in (parse_duration, parse_size):
@@ -51,7 +56,8 @@ def test_raw_parsers_raise_only_value_error(value):
 SECRET_CHARS = string.ascii_letters + string.digits + "-_.~%+/="
 
 
-@settings(max_examples=2000, deadline=None)
+@pytest.mark.slow  # a large property run
+@settings(max_examples=examples(2000), deadline=None)
 @given(
     scheme=st.sampled_from(["http", "https", "sb", "wss"]),
     secret=st.text(alphabet=SECRET_CHARS, min_size=8, max_size=40).map(lambda s: "Zq9" + s),

@@ -11,6 +11,7 @@ import threading
 from collections import Counter
 
 import orjson
+import pytest
 
 from forwarder.emulator import Emulator
 from tests.agent import AgentProcess, read_jsonl, wait_until
@@ -70,6 +71,7 @@ def _cancel(emu: Emulator, event_id: str) -> None:
         pass
 
 
+@pytest.mark.slow
 def test_chaos_sigkill_and_flapping_webhook(tmp_path):
     rng = random.Random(SEED)
     policy = FlappingPolicy(random.Random(SEED + 1))

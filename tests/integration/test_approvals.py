@@ -182,6 +182,7 @@ def sample_vs_sefwd(tmp_path_factory):
     from tests.agent import ROOT
 
     runs = {}
+    ready = {}
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     try:
         for name in SAMPLE_SCENARIOS:
@@ -193,14 +194,18 @@ def sample_vs_sefwd(tmp_path_factory):
             config = write_config(tmp / "c.toml", emu_sefwd.vm_url(first), tmp / "state",
                                   extra='[approval]\nscope = "any"\n' + SEED_RULES)
             agent = AgentProcess(config, tmp / "a.log")
-            wait_until(lambda: read_jsonl(tmp / "out.jsonl"), 60, "agent up")
             sample = subprocess.Popen([sys.executable, str(ROOT / "tests" / "peers" / "seed_sample.py"),
                                        emu_sample.vm_url(first) + "/metadata/scheduledevents", "50"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+            runs[name] = (emu_sample, emu_sefwd, agent, sample)
+            ready[name] = (scenario, tmp)
+        # All start at once; each scenario's timeline starts once both of its pollers are up.
+        for name, (scenario, tmp) in ready.items():
+            emu_sample, emu_sefwd, agent, sample = runs[name]
+            wait_until(lambda: read_jsonl(tmp / "out.jsonl"), 60, "agent up")
             wait_until(lambda: emu_sample.stats()["requests"], 30, "sample polling")
             emu_sample.run_scenario(scenario)
             emu_sefwd.run_scenario(scenario)
-            runs[name] = (emu_sample, emu_sefwd, agent, sample)
         results = {}
         for name, (emu_sample, emu_sefwd, agent, sample) in runs.items():
             assert emu_sample.wait_finished(120) and emu_sefwd.wait_finished(120), name
@@ -219,6 +224,7 @@ def sample_vs_sefwd(tmp_path_factory):
             emu_sefwd.stop()
 
 
+@pytest.mark.slow  # every built-in scenario replayed in real time, twice
 @pytest.mark.parametrize("name", SAMPLE_SCENARIOS)
 def test_seed_policy_approves_what_the_seed_sample_approves(sample_vs_sefwd, name):
     by_sample, by_sefwd = sample_vs_sefwd[name]

@@ -12,6 +12,7 @@ from benchmarks.peers.eventhubs_peer import EventHubsPeer  # noqa: E402
 
 
 @pytest.mark.skipif(EventHubsPeer.available() is not None, reason=str(EventHubsPeer.available()))
+@pytest.mark.slow  # a benchmark run
 def test_fleet_smoke_fans_out_one_event_and_dedupes_by_eventkey() -> None:
     res = fleet.run(MODES["smoke"])
     figures = res["figures"]

@@ -2,7 +2,6 @@
 reaches IMDS; a valid request signed by the independent `standardwebhooks` package is one POST."""
 from __future__ import annotations
 
-import socket
 import time
 import uuid
 from datetime import datetime, timezone
@@ -15,45 +14,35 @@ from standardwebhooks.webhooks import Webhook
 from forwarder.emulator import Emulator
 from forwarder.emulator.model import VmProfile
 from forwarder.common.signing import generate_secret, parse_secret, sign_headers
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.agent import AgentProcess, callback_url, read_jsonl, wait_until, write_config
 
 SECRET = generate_secret()
 # The agent's VM (WestNO_0): a signed approval must name it (a captured one for another VM is refused).
 MINE = VmProfile("WestNO_0").resource_id
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_agent(config, log) -> tuple[AgentProcess, str]:
+    """The agent, and its callback URL once listening (it binds port 0)."""
+    proc = AgentProcess(config, log, env={"CB_SECRET": SECRET})
+    return proc, callback_url(proc)
 
 
-@pytest.fixture(scope="module")
-def agent(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("callback")
-    port = free_port()
+@pytest.fixture
+def agent(tmp_path):
+    """Each test has its own agent (and emulator): no test depends on what another did."""
+    tmp = tmp_path
     with Emulator(vms=["WestNO_0", "WestNO_1", "zzz"], rate_limit=None) as emu:
         config = write_config(tmp / "c.toml", emu.vm_url("WestNO_0"), tmp / "state", extra=(
             '[approval.callback]\n'
-            f'listen = "127.0.0.1:{port}"\nsecret_env = "CB_SECRET"\nmax_body = "4KiB"\nrate_limit = 600\n'
+            'listen = "127.0.0.1:0"\nsecret_env = "CB_SECRET"\nmax_body = "4KiB"\nrate_limit = 600\n'
             'client_timeout = "1s"\n'
         ))
-        proc = AgentProcess(config, tmp / "a.log", env={"CB_SECRET": SECRET})
+        proc, url = start_agent(config, tmp / "a.log")
         wait_until(lambda: read_jsonl(tmp / "out.jsonl"), 60, "agent up")
-        url = f"http://127.0.0.1:{port}/approvals"
-        wait_until(lambda: _reachable(port), 30, "callback listening")
         state = {"emu": emu, "url": url, "out": tmp / "out.jsonl", "proc": proc, "config": config, "tmp": tmp}
         yield state
-        if state["proc"].alive():  # the restart test replaces the process
+        if state["proc"].alive():
             state["proc"].terminate()
-
-
-def _reachable(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 def body_for(*ids: str, **extra: object) -> bytes:
@@ -118,6 +107,13 @@ def test_bad_requests_are_refused_audited_and_never_posted(agent):
     wait_until(lambda: any(r.get("subject") == started for r in read_jsonl(agent["out"])), 30, "event seen")
     body = body_for(started)
     refused(agent, body, signed(body), 422, "already_started")
+    assert agent["proc"].terminate() == 0
+    # Stopping flushed the refusals counted since their first record: one record each, with a count.
+    counted: dict[str, int] = {}
+    for r in read_jsonl(agent["out"]):
+        if r["type"] == "approval.refused":
+            counted[r["data"]["Reason"]] = counted.get(r["data"]["Reason"], 0) + (r["data"]["Count"] or 1)
+    assert counted["bad_signature"] == 2 and counted["missing_headers"] == 3, counted
 
 
 def test_a_signed_approval_for_another_vm_or_for_no_vm_is_refused_and_audited(agent):
@@ -171,13 +167,5 @@ def test_replay_cache_survives_a_restart(agent, tmp_path):
     wait_until(lambda: any(r["type"] == "approval.approved" and r["subject"] == event for r in read_jsonl(agent["out"])),
                30, "approval audited")
     assert agent["proc"].terminate() == 0
-    # Stopping flushed the refusals counted since their first record: one record each, with a count.
-    counted: dict[str, int] = {}
-    for r in read_jsonl(agent["out"]):
-        if r["type"] == "approval.refused":
-            counted[r["data"]["Reason"]] = counted.get(r["data"]["Reason"], 0) + (r["data"]["Count"] or 1)
-    assert counted["bad_signature"] == 2 and counted["missing_headers"] == 3, counted
-    agent["proc"] = AgentProcess(agent["config"], agent["tmp"] / "a2.log", env={"CB_SECRET": SECRET})
-    port = int(agent["url"].split(":")[2].split("/")[0])
-    wait_until(lambda: _reachable(port), 60, "callback back")
+    agent["proc"], agent["url"] = start_agent(agent["config"], agent["tmp"] / "a2.log")
     refused(agent, body, headers, 409, "replayed_id")

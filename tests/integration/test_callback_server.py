@@ -551,7 +551,7 @@ def test_one_client_cannot_take_every_slot(make_server, rec):
 
 
 # -- TLS ----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per xdist worker: its tests may be spread over workers
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ca = trustme.CA()
     cert = ca.issue_cert("127.0.0.1")

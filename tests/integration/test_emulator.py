@@ -578,9 +578,15 @@ def test_token_endpoint_has_its_own_limits_20_per_second_and_5_concurrent(http: 
     with Emulator(rate_limit=None) as emu:
         url = emu.url + "/metadata/identity/oauth2/token"
         emu.inject_fault("slow", path="token", delay=30, count=5)  # five requests held in flight
-        results: list[int] = []
-        held = [threading.Thread(target=lambda: results.append(
-            requests.get(url, params=url_params, headers=H, timeout=60).status_code)) for _ in range(5)]
+        results: list[int | str] = []
+
+        def held_request() -> None:
+            try:
+                results.append(requests.get(url, params=url_params, headers=H, timeout=60).status_code)
+            except requests.ConnectionError as exc:  # what a held request gets when the emulator stops
+                results.append(type(exc).__name__)
+
+        held = [threading.Thread(target=held_request) for _ in range(5)]
         for t in held:
             t.start()
         try:
@@ -588,6 +594,7 @@ def test_token_endpoint_has_its_own_limits_20_per_second_and_5_concurrent(http: 
             r = http.get(url, params=url_params, headers=H, timeout=10)
             assert r.status_code == 429 and "concurrent" in r.json()["error"]
         finally:
-            emu.stop()  # releases the held requests
+            emu.stop()  # releases the held requests: their connections are closed, never answered
             for t in held:
                 t.join(30)
+        assert results == ["ConnectionError"] * 5  # not a 200 racing stop() cutting the connection

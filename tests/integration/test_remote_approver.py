@@ -17,7 +17,7 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from forwarder.common.fleet_keys import as_secret
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.agent import AgentProcess, callback_url, read_jsonl, wait_until, write_config
 from tests.fleet import MASTER_SECRET, callback_secret, function_handlers, record, record_key, resource_id
 
 import approver_client  # noqa: E402  (tests.fleet puts the app folder on sys.path)
@@ -333,30 +333,19 @@ def live(tmp_path_factory):
     from forwarder.emulator import Emulator
 
     tmp = tmp_path_factory.mktemp("remote-approver")
-    port = free_port()
     with Emulator(vms=["WestNO_0", "WestNO_1"], rate_limit=None) as emu:
-        extra = (f'[approval]\nscope = "self_or_leader"\n'
-                 f'[approval.callback]\nlisten = "127.0.0.1:{port}"\nsecret_env = "SEFWD_CALLBACK_SECRET"\n')
+        extra = ('[approval]\nscope = "self_or_leader"\n'
+                 '[approval.callback]\nlisten = "127.0.0.1:0"\nsecret_env = "SEFWD_CALLBACK_SECRET"\n')
         config = write_config(tmp / "sefwd.toml", emu.vm_url("WestNO_0"), tmp / "state", extra=extra)
         # The VM's own keys only, derived from the fleet master (`sefwd keys derive`): records get sefwdauth.
         agent = AgentProcess(config, tmp / "agent.log", env={
             "SEFWD_CALLBACK_SECRET": CALLBACK_SECRET, "SEFWD_AGENT_RECORD_KEY_ENV": "SEFWD_RECORD_KEY",
             "SEFWD_RECORD_KEY": as_secret(record_key("WestNO_0"))})
         try:
-            wait_until(lambda: _listening(port) or not agent.alive(), 30, "the agent's callback to listen")
-            assert agent.alive(), agent.logs()
-            yield {"emu": emu, "agent": agent, "out": tmp / "out.jsonl", "url": f"http://127.0.0.1:{port}/approvals",
-                   "port": port, "tmp": tmp}
+            url = callback_url(agent)  # port 0: the OS picks, the agent's log says
+            yield {"emu": emu, "agent": agent, "out": tmp / "out.jsonl", "url": url}
         finally:
             agent.terminate()
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False
 
 
 def _scheduled_record(out: Path, event_id: str) -> dict[str, Any]:

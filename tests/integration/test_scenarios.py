@@ -11,6 +11,9 @@ import pytest
 from forwarder.emulator import Emulator, builtin_scenarios, load_scenario
 from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
 
+# Every built-in scenario replayed in real time (Spot's 30 s notice included): left out of the inner loop.
+pytestmark = pytest.mark.slow
+
 EXPECTED = {
     "live-migration-freeze": [("C7061BAC-AFDC-4513-B24B-AA5F13A16123", ["scheduled", "started", "completed"])],
     "user-reboot": [("5DD55B64-45AD-49D3-BBC9-F57D4EA97BD7", ["scheduled", "started", "completed"])],

@@ -61,10 +61,17 @@ def peer(tmp_path: Path) -> Iterator[EventHubsPeer]:
         yield p
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per xdist worker: its tests may be spread over workers
 def tls_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EventHubsPeer]:
     """A peer that listens as the service does: AMQPS and AMQP over secure WebSocket, test CA."""
     with EventHubsPeer(tls=True, log=tmp_path_factory.mktemp("tls-peer") / "peer.log") as p:
+        yield p
+
+
+@pytest.fixture
+def own_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EventHubsPeer]:
+    """A peer of the test's own, for a test that looks at the peer's connections as a whole."""
+    with EventHubsPeer(tls=True, log=tmp_path_factory.mktemp("own-peer") / "peer.log") as p:
         yield p
 
 
@@ -387,9 +394,10 @@ def test_proxy_refusing_the_credentials_is_retried_with_a_clear_log(tmp_path, se
 
 @pytest.mark.parametrize("transport", ["amqp", "websocket"])
 @pytest.mark.parametrize("how", ["close", "detach", "drop", "freeze"])
-def test_the_service_closing_an_idle_connection_or_link_costs_nothing(tmp_path, service, monkeypatch, transport, how):
+def test_the_service_closing_an_idle_connection_or_link_costs_nothing(tmp_path, own_service, monkeypatch, transport, how):
     # close / detach: what the service does to idle clients; drop: a TCP reset; freeze: a NAT or
     # load-balancer that forgot the flow (no FIN, no RST, nothing answered any more).
+    service = own_service  # counts the peer's open connections: no other test's client may be connected
     sink = service_sink(tmp_path, service, monkeypatch, transport, timeout="2s")
     sent = [scheduled("E-1", i) for i in range(4)]
     try:
@@ -471,6 +479,7 @@ def test_a_peer_hanging_in_the_tls_handshake_is_abandoned_without_a_thread_per_s
     assert got[0]["message_id"] == record.id, [(e["message_id"], orjson.loads(e["body"])["sequence"]) for e in got[:3]]
 
 
+@pytest.mark.slow  # a benchmark run
 def test_the_cpu_benchmark_runs_both_implementations_side_by_side(tmp_path):
     out = tmp_path / "eventhubs.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.eventhubs_send", "--smoke", "--out", str(out)],

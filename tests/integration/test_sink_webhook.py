@@ -311,7 +311,7 @@ def test_check_accepts(options):
 
 
 # -- TLS --------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per xdist worker: its tests may be spread over workers
 def ca() -> trustme.CA:
     return trustme.CA()
 

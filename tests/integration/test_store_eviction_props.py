@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from forwarder.sinkapi import Record
 from forwarder.store.database import Store, priority_of
+from tests.conftest import examples
 
 TYPES = ("scheduledevent.scheduled", "scheduledevent.completed", "forwarder.heartbeat", "approval.refused",
          "forwarder.started")
@@ -18,7 +19,7 @@ batches = st.lists(st.lists(st.tuples(st.sampled_from(TYPES), st.integers(100, 3
                    min_size=1, max_size=25)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches)
 def test_eviction_order_and_accounting(plan):
     with tempfile.TemporaryDirectory() as tmp:

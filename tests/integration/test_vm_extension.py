@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from forwarder.emulator import Emulator
 from tests.agent import AgentProcess, wait_until, write_config
+from tests.conftest import examples
 from tests.peers.guest_agent import LIMITS, OUTPUT_MAX, GuestAgent, Report, Settings, format_output
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +59,7 @@ def _openssl(*args: str, input: bytes | None = None) -> bytes:
     return subprocess.run(["openssl", *args], input=input, check=True, capture_output=True, timeout=60).stdout
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per xdist worker: its tests may be spread over workers
 def waagent(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     """A waagent dir holding a self-signed certificate and key named by thumbprint, as waagent stores them."""
     if shutil.which("openssl") is None:
@@ -382,7 +383,7 @@ _values = st.recursive(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.dictionaries(st.text(max_size=8), _values, max_size=5))
 def test_toml_writer_round_trips_any_json_settings(public: dict) -> None:
     handler = load_handler_module()
@@ -459,7 +460,7 @@ exit 1
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one per xdist worker: its tests may be spread over workers
 def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The extension zip as build.sh makes it (no wheel: install is skipped or replaced)."""
     out = tmp_path_factory.mktemp("dist")

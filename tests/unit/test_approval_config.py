@@ -289,7 +289,7 @@ def test_rotation_keys_from_env_and_file(tmp_path: Path) -> None:
     ("not-a-secret", "environment variable 'CB_SECRET': secret must start with 'whsec_'"),
     (f"{SECRET_A} whsec_" + base64.b64encode(b"short").decode(), "(secret 2 of 2): secret is too short"),
     (f"whsec_!!!! {SECRET_A}", "(secret 1 of 2): secret after 'whsec_' is not valid base64"),
-])
+], ids=["empty", "no-prefix", "second-too-short", "first-not-base64"])  # ids without the random secret: xdist workers must agree
 def test_bad_secrets_are_named_without_showing_them(value: str, expected: str) -> None:
     problem = one_problem(callback(), {"CB_SECRET": value})
     assert problem.startswith("approval.callback.secret_env: ") and expected in problem, problem

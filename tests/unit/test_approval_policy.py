@@ -13,6 +13,7 @@ from forwarder.approval.settings import Rule
 from forwarder.imds.document import Event, parse_event
 from forwarder.emulator import builtin_scenarios, load_scenario
 from forwarder.imds.identity import VmIdentity
+from tests.conftest import examples
 
 VM = VmIdentity(name="myVM", computer_name="myvm")
 NAMELESS = VmIdentity()
@@ -211,7 +212,7 @@ def test_seed_sample_rules_named_cases(fields: dict[str, Any], expected: Decisio
     assert decide(SEED_SAMPLE_RULES, event(**fields), VM) == expected
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     status=st.sampled_from(["Scheduled", "Started"]),
     source=st.sampled_from(["Platform", "User"]),

@@ -34,6 +34,7 @@ from forwarder.agent.poller import Poller
 from forwarder.records import RecordFactory
 from forwarder.store.database import Store
 from tests.adversarial.hostile import HostileServer, Reply, Request
+from tests.conftest import examples
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=timezone.utc)
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -123,13 +124,15 @@ def new_factory() -> RecordFactory:
     return RecordFactory(VmIdentity(vm_id="v", name="myVM"), "2020-07-01", clock=lambda: NOW)
 
 
-@settings(max_examples=1200, **SETTINGS)
+@pytest.mark.slow  # a large property run
+@settings(max_examples=examples(1200), **SETTINGS)
 @given(st.one_of(json_values, deep()))
 def test_any_json_value_is_a_document_or_a_document_error(value: Any) -> None:
     downstream(encode(value), None, new_factory())
 
 
-@settings(max_examples=1200, **SETTINGS)
+@pytest.mark.slow  # a large property run
+@settings(max_examples=examples(1200), **SETTINGS)
 @given(near_valid())
 def test_near_valid_documents_mutated_field_by_field(value: Any) -> None:
     downstream(encode(value), None, new_factory())
@@ -163,7 +166,8 @@ def stored(store: Store) -> list[bytes]:
     return [bytes(row[0]) for row in store.query("SELECT body FROM records ORDER BY id")]
 
 
-@settings(max_examples=300, **SETTINGS)
+@pytest.mark.slow  # a large property run
+@settings(max_examples=examples(300), **SETTINGS)
 @given(st.lists(near_valid(), min_size=2, max_size=6))
 def test_sequences_never_raise_and_a_refused_document_keeps_the_baseline(imds: tuple[Served, ImdsClient],
                                                                          values: list[Any]) -> None:

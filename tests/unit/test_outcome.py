@@ -22,6 +22,7 @@ from forwarder.imds.outcome import (
 )
 from forwarder.imds.outcome import CANCELED as OUT_CANCELED
 from forwarder.imds.outcome import COMPLETED as OUT_COMPLETED
+from tests.conftest import examples
 
 # The real capture (Azure/vm-scheduled-events README): seen 04:36:08, approved 04:36:08,
 # gone 04:37:09, NotBefore 04:50:17, DocumentIncarnation 2 -> 4.
@@ -273,7 +274,7 @@ def test_terminal_key_is_the_same_whatever_the_outcome() -> None:
 
 
 @given(st.lists(st.sampled_from(OUTCOMES), min_size=1, max_size=8))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 def test_fold_completed_beats_unknown_beats_canceled(outcomes: list[str]) -> None:
     folded = fold(outcomes)
     if OUT_COMPLETED in outcomes:
@@ -288,7 +289,7 @@ def test_fold_completed_beats_unknown_beats_canceled(outcomes: list[str]) -> Non
 @given(st.booleans(), st.booleans(), st.integers(0, 3), st.sampled_from([None, False, True]),
        st.floats(0, 10), st.integers(-3600, 3600), st.sampled_from(["Freeze", "Reboot", "Redeploy", "Preempt",
                                                                       "Terminate"]))
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 def test_canceled_only_with_all_the_evidence(started: bool, approved: bool, unseen: int, rebooted: bool | None,
                                              pause: float, ahead: int, event_type: str) -> None:
     not_before = GONE_AT + timedelta(seconds=ahead)
