@@ -23,8 +23,8 @@ from forwarder.imds.client import ImdsClient, RequestBudget
 from forwarder.imds.identity import VmIdentity
 from forwarder.records import RecordFactory
 from forwarder.store.database import Store
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
-from tests.integration.test_callback_agent import SECRET, _reachable, body_for, free_port, signed
+from tests.agent import AgentProcess, callback_url, read_jsonl, wait_until, write_config
+from tests.integration.test_callback_agent import SECRET, body_for, signed
 
 API = "2020-07-01"
 HUGE = 2**70
@@ -73,15 +73,13 @@ def test_one_unserializable_audit_costs_neither_the_others_nor_the_poll(tmp_path
 
 
 def test_a_refused_callback_request_with_a_huge_number_is_audited_by_the_real_agent(tmp_path: Path) -> None:
-    port = free_port()
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state", extra=(
-            f'[approval.callback]\nlisten = "127.0.0.1:{port}"\nsecret_env = "CB_SECRET"\nrate_limit = 600\n'))
+            '[approval.callback]\nlisten = "127.0.0.1:0"\nsecret_env = "CB_SECRET"\nrate_limit = 600\n'))
         agent = AgentProcess(config, tmp_path / "a.log", env={"CB_SECRET": SECRET})
         try:
-            wait_until(lambda: _reachable(port), 60, "callback listening")
+            url = callback_url(agent)  # port 0: the OS picks, the agent's log says
             event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
-            url = f"http://127.0.0.1:{port}/approvals"
             bad = json.dumps({"StartRequests": [{"EventId": event_id}], "DocumentIncarnation": HUGE, "approver": 5}).encode()
             assert requests.post(url, data=bad, headers=signed(bad), timeout=10).status_code == 400
             good = body_for(event_id, approver="alice", ResourceId=VmProfile("myVM").resource_id)  # names this VM

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import sqlite3
 import threading
 import time
@@ -20,7 +19,7 @@ import requests
 
 from forwarder.emulator import Emulator
 from forwarder.emulator.model import VmProfile
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.agent import AgentProcess, callback_url, read_jsonl, wait_until, write_config
 from tests.integration.test_callback_agent import SECRET as CB_SECRET
 from tests.integration.test_callback_agent import body_for, signed
 from tests.integration.test_cli import sefwd
@@ -329,14 +328,11 @@ scheduled = {{ command = ["{hook}"], at = "notbefore - 2m" }}
 def test_dry_run_plans_and_audits_but_performs_nothing(tmp_path):
     marker = tmp_path / "hook-ran"
     hook = script(tmp_path, "drain.sh", f"touch {marker}\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     approval = f'''
 [approval.hooks]
 scheduled = ["{hook}"]
 [approval.callback]
-listen = "127.0.0.1:{port}"
+listen = "127.0.0.1:0"
 secret_env = "CB_SECRET"
 {USER_RULE}
 after_hooks = true
@@ -348,7 +344,7 @@ after_hooks = true
         event_id = emu.schedule(type="Reboot", source="User", resources=["myVM"], start_after=600)
         wait_until(lambda: len(audits(out, "skipped", event_id)) == 2, 60, "both actions skipped")
         body = body_for(event_id, approver="ops", ResourceId=MY_VM)
-        answer = requests.post(f"http://127.0.0.1:{port}/approvals", data=body, headers=signed(body), timeout=30)
+        answer = requests.post(callback_url(agent), data=body, headers=signed(body), timeout=30)
         assert (answer.status_code, answer.json()["reason"]) == (409, "dry_run")
         (held,) = wait_until(lambda: audits(out, "held", event_id), 60, "the callback's dry run audited")
         assert held["data"]["DryRun"] is True and "would post" in held["data"]["Detail"]
@@ -440,10 +436,7 @@ secret_env = "SEFWD_CALLBACK_SECRET"
 
 def test_sigkill_after_a_callback_approval_was_posted_records_it_once_after_restart(tmp_path):
     """The signed callback's approval is an action row too: marked posting before the POST."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    approval = f'[approval.callback]\nlisten = "127.0.0.1:{port}"\nsecret_env = "CB_SECRET"\n'
+    approval = '[approval.callback]\nlisten = "127.0.0.1:0"\nsecret_env = "CB_SECRET"\n'
 
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         cfg = config(tmp_path, emu, approval)
@@ -453,10 +446,11 @@ def test_sigkill_after_a_callback_approval_was_posted_records_it_once_after_rest
         event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600, complete_after=600)
         wait_until(lambda: any(r["subject"] == event_id for r in read_jsonl(out)), 60, "scheduled")
         body = body_for(event_id, approver="ops", ResourceId=MY_VM)
+        url = callback_url(agent)  # port 0: the OS picks, the agent's log says
 
         def ask() -> None:
             try:
-                requests.post(f"http://127.0.0.1:{port}/approvals", data=body, headers=signed(body), timeout=60)
+                requests.post(url, data=body, headers=signed(body), timeout=60)
             except requests.RequestException:
                 pass  # the agent dies before it answers
 

@@ -26,7 +26,7 @@ from forwarder.imds.differ import diff
 from forwarder.imds.document import parse_document
 from forwarder.imds.identity import VmIdentity as AgentVm
 from forwarder.records import RecordFactory
-from tests.agent import AgentProcess, read_jsonl, wait_until, write_config
+from tests.agent import AgentProcess, callback_url, read_jsonl, wait_until, write_config
 from tests.fleet import MASTER, MASTER_SECRET, callback_secret, function_handlers, record, record_key, resource_id
 
 import approver_client  # noqa: E402  (tests.fleet puts the app folder on sys.path)
@@ -145,9 +145,8 @@ def fleet(tmp_path_factory):
     """WestNO_0 runs the real agent with its own keys and the callback on; WestNO_1 is the attacker's
     VM: its root holds WestNO_1's keys (and the fleet's shared webhook/Event Hubs sender rights)."""
     tmp = tmp_path_factory.mktemp("stream-trust")
-    port = free_port()
     with Emulator(vms=["WestNO_0", "WestNO_1"], rate_limit=None) as emu:
-        extra = (f'[approval.callback]\nlisten = "127.0.0.1:{port}"\nsecret_env = "SEFWD_CALLBACK_SECRET"\n'
+        extra = ('[approval.callback]\nlisten = "127.0.0.1:0"\nsecret_env = "SEFWD_CALLBACK_SECRET"\n'
                  'rate_limit = 600\n')
         config = write_config(tmp / "sefwd.toml", emu.vm_url("WestNO_0"), tmp / "state", extra=extra)
         key_file = tmp / "record.key"  # as the VM extension writes it from protectedSettings
@@ -155,9 +154,8 @@ def fleet(tmp_path_factory):
         agent = AgentProcess(config, tmp / "agent.log", env={
             "SEFWD_CALLBACK_SECRET": callback_secret("WestNO_0"), "SEFWD_AGENT_RECORD_KEY_FILE": str(key_file)})
         try:
-            wait_until(lambda: "approval callback listening" in agent.logs() or not agent.alive(), 60, "callback up")
-            assert agent.alive(), agent.logs()
-            yield {"emu": emu, "out": tmp / "out.jsonl", "url": f"http://127.0.0.1:{port}/approvals", "agent": agent}
+            url = callback_url(agent)  # port 0: the OS picks, the agent's log says
+            yield {"emu": emu, "out": tmp / "out.jsonl", "url": url, "agent": agent}
         finally:
             agent.terminate()
 
