@@ -105,8 +105,7 @@ def test_ctrl_c_in_approve_against_unreachable_imds_says_what_it_waits_for_then_
     try:
         wait_until(lambda: any("waiting for IMDS" in line for line in err), 30, "approve's waiting line")
         proc.send_signal(signal.SIGINT)
-        # A deadline, not a speed goal: on a loaded machine (the suite in parallel) the exit took 8-15 s.
-        assert proc.wait(60) == EXIT_INTERRUPTED
+        assert proc.wait(10) == EXIT_INTERRUPTED
     finally:
         if proc.poll() is None:
             proc.kill()
