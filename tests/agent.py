@@ -130,11 +130,16 @@ def dead_letters(config: Path, sink: str, env: dict[str, str] | None = None) -> 
     return [orjson.loads(line) for line in out.stdout.splitlines() if line.strip()]
 
 
+_HELD: list[socket.socket] = []  # bound, never listening: refused, and no other test can take the port
+
+
 def closed_port() -> int:
-    """A loopback port nothing listens on: connections to it are refused."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on: connections to it are refused. The socket stays bound (not
+    listening) for the life of the test process, so a parallel test cannot bind the port meanwhile."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _HELD.append(s)
+    return int(s.getsockname()[1])
 
 
 _CALLBACK_LISTENING = re.compile(r"approval callback listening on (https?://\S+?/approvals)")

@@ -97,15 +97,24 @@ def test_unreachable_imds_once_is_one_line_and_exit_1(tmp_path):
 def test_ctrl_c_in_approve_against_unreachable_imds_says_what_it_waits_for_then_exits_130(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text(f'[imds]\nendpoint = "http://127.0.0.1:{closed_port()}"\n[state]\ndir = "{tmp_path / "state"}"\n')
+    # PYTHONFAULTHANDLER: should it ever hang after Ctrl-C, a SIGABRT makes it print every thread's stack.
     proc = subprocess.Popen([sys.executable, "-m", "forwarder", "approve", "--config", str(config), "some-event-id"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=str(ROOT))
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**_env(), "PYTHONFAULTHANDLER": "1"}, cwd=str(ROOT))
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
     try:
         wait_until(lambda: any("waiting for IMDS" in line for line in err), 30, "approve's waiting line")
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(10) == EXIT_INTERRUPTED
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(10)
+            reader.join(5)
+            raise AssertionError("approve did not exit 30 s after Ctrl-C; its threads:\n" + "".join(err)[-6000:]) from None
+        assert rc == EXIT_INTERRUPTED
     finally:
         if proc.poll() is None:
             proc.kill()
