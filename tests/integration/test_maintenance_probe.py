@@ -68,8 +68,17 @@ def sefwd_status(tmp_path: Path) -> str:
 
 
 def same_as_file(body: dict, state_file: Path) -> None:
-    on_disk = json.loads(state_file.read_text())
-    assert {k: on_disk[k] for k in COMMON} == {k: body[k] for k in COMMON}
+    """The state file says what the probe said (it is written just after the probe's state changes)."""
+    want = {k: body[k] for k in COMMON}
+
+    def matches() -> dict | None:
+        try:
+            on_disk = json.loads(state_file.read_text())
+        except (OSError, ValueError):
+            return None
+        return on_disk if {k: on_disk.get(k) for k in COMMON} == want else None
+
+    on_disk = wait_until(matches, 30, f"the state file to say {want}")
     assert datetime.fromisoformat(on_disk["stale_after"]) > datetime.fromisoformat(on_disk["written_at"])
 
 
