@@ -128,8 +128,9 @@ def test_bad_documents_and_cycle_errors_are_counted_in_the_metrics(tmp_path):
             wait_until(lambda: scrape(base).get("sefwd_poller_cycle_errors_total", 0) >= 1, 30,
                        "the cycle error counted")
             assert agent.alive(), agent.logs()[-3000:]
-            assert "skipping a bad IMDS document" in agent.logs()
-            assert "unexpected error in the poll cycle" in agent.logs()
+            # The counters move a moment before the log lines are written: wait for those too.
+            wait_until(lambda: "skipping a bad IMDS document" in agent.logs(), 30, "the bad document logged")
+            wait_until(lambda: "unexpected error in the poll cycle" in agent.logs(), 30, "the cycle error logged")
         finally:
             assert agent.terminate() == 0
 
