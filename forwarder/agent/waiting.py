@@ -1,11 +1,20 @@
 """Say what we wait for, at once and then at a calm interval, until it arrives: never silent."""
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable
 from types import TracebackType
 
 REPEAT = 30.0  # seconds between two reminders: often enough to show life, rare enough to read
+
+
+def _leave_stop_signals_to_the_main_thread() -> None:
+    """Block Ctrl-C and SIGTERM in this helper thread. The kernel may hand a process's signal to any
+    thread that does not block it; taken here, it only wakes the main thread (which alone raises
+    KeyboardInterrupt) when that thread's current wait ends, up to a whole retry backoff later."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 class WaitNotice:
@@ -38,6 +47,7 @@ class WaitNotice:
         return self._closed.is_set() or (self._stop is not None and self._stop.is_set()) or self._done()
 
     def _run(self) -> None:
+        _leave_stop_signals_to_the_main_thread()
         delay = self._first
         # Polled in short steps so a `done()` that turns true (or a stop) ends the notice promptly.
         while True:

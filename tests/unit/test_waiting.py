@@ -24,3 +24,27 @@ def test_closed_before_first_says_nothing():
         pass
     notice._thread.join(10)
     assert not notice._thread.is_alive() and said == []
+
+
+def _blocked_signals(native_id: int) -> int:
+    for line in open(f"/proc/self/task/{native_id}/status"):
+        if line.startswith("SigBlk:"):
+            return int(line.split()[1], 16)
+    raise AssertionError("no SigBlk line")
+
+
+def test_ctrl_c_and_sigterm_are_left_to_the_main_thread():
+    """A Ctrl-C the kernel gave the notice thread would reach the main thread only when its wait ends
+    (a retry backoff: `sefwd approve` ignored Ctrl-C for 30 s and more under load); blocked here, the
+    kernel delivers it to the main thread, which raises KeyboardInterrupt at once."""
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    said: list[str] = []
+    with WaitNotice(said.append, "slow", first=60.0) as notice:
+        mask = wait_until(lambda: notice._thread.native_id and _blocked_signals(notice._thread.native_id), 10,
+                          "the notice thread's signal mask")
+        assert mask & (1 << (signal.SIGINT - 1)) and mask & (1 << (signal.SIGTERM - 1))
+        assert not _blocked_signals(threading.main_thread().native_id) & (1 << (signal.SIGINT - 1))
