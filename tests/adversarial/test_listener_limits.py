@@ -90,6 +90,7 @@ def listening_agent(tmp_path: Path, emu: Emulator, section: str, logged: str) ->
         raise
 
 
+@pytest.mark.slow  # 600 connections held to their deadline
 def test_idle_half_sent_requests_against_metrics_hold_few_threads(tmp_path):
     pytest.importorskip("opentelemetry.exporter.prometheus")
     from forwarder.agent.telemetry import TELEMETRY_LIMITS
@@ -121,6 +122,7 @@ def test_idle_half_sent_requests_against_metrics_hold_few_threads(tmp_path):
             assert agent.terminate() == 0
 
 
+@pytest.mark.slow  # connections held to their deadline
 def test_the_emulator_bounds_idle_connections_too():
     limits = ConnectionLimits(max_connections=40, max_per_client=20, request_timeout=2.0)
     with Emulator(vms=["web-0"], limits=limits) as emu:

@@ -24,6 +24,7 @@ def files_containing(folder: Path, needle: bytes) -> list[Path]:
     return [p for p in folder.rglob("*") if p.is_file() and needle in p.read_bytes()]
 
 
+@pytest.mark.slow  # every sink failing against a real agent
 def test_no_secret_in_logs_dead_letters_or_status(tmp_path):
     def redirect(request: Request) -> Reply:
         return Reply(status=307, headers={

@@ -120,6 +120,7 @@ def test_slow_drip_is_cut_by_the_request_deadline(tmp_path: Path, imds: tuple[Im
                 log_says=("deadline for the whole answer",), min_bad=2)
 
 
+@pytest.mark.slow  # real-time backoff
 def test_retry_after_3600_does_not_park_detection(tmp_path: Path, imds: tuple[Imds, HostileServer]) -> None:
     handler, server = imds
     run_through(tmp_path, handler, server,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 import requests
 
 from forwarder.emulator import Emulator
@@ -77,6 +78,7 @@ def epoch(text: str) -> float:
 
 # -- re-check before the POST ---------------------------------------------------------------------
 
+@pytest.mark.slow  # waits out a rule's real delay
 def test_an_event_that_no_longer_matches_the_rule_at_post_time_is_not_approved(tmp_path):
     rules = '''
 [[approval.rules]]
@@ -202,6 +204,7 @@ def test_sigkill_before_the_approval_was_taken_posts_once_after_restart(tmp_path
     assert len(audits(out, "planned", event_id)) == 1  # planned once, not again at the restart
 
 
+@pytest.mark.slow  # waits out a POST's real deadline
 def test_an_unanswered_post_is_resolved_by_asking_imds_never_by_posting_again(tmp_path):
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         out = tmp_path / "out.jsonl"

@@ -62,6 +62,7 @@ def incarnation_seen(state_file: Path) -> int | None:
 _OCCASIONAL = ("sefwd_imds_errors_total{",)
 
 
+@pytest.mark.slow  # 10,000 events of churn
 def test_series_stay_fixed_while_10000_events_come_and_go(tmp_path):
     """A real agent reads 20 documents of 500 fresh events each (every type and status, this VM and
     another; each document drops the previous one's events): 10,000 events come and go. Every scrape's

@@ -187,6 +187,7 @@ depth = 20
         assert normal["Events"][0]["DurationInSeconds"] == -1 and emu.stats()["faults_pending"] == []
 
 
+@pytest.mark.slow  # every hostile fault against a real agent
 def test_the_agent_survives_every_hostile_fault(tmp_path: Path, emu: Emulator) -> None:
     out = tmp_path / "out.jsonl"
     config = write_config(tmp_path / "sefwd.toml", emu.url, tmp_path / "state", poll_interval="500ms")

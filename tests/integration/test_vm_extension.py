@@ -610,6 +610,7 @@ def test_an_install_failure_reaches_azure_cause_first(vm: Vm, package: Path, tmp
     assert "Collecting package-299" in log
 
 
+@pytest.mark.slow  # waits out real step limits
 def test_steps_past_their_budget_are_killed_before_the_guest_agent_would(
         tmp_path: Path, waagent: tuple[Path, str], package: Path) -> None:
     vm = Vm(tmp_path, waagent, scale=SCALE)
@@ -631,6 +632,7 @@ def test_steps_past_their_budget_are_killed_before_the_guest_agent_would(
     assert "config check did not finish" in vm.report().settings_status["message"]  # type: ignore[index]
 
 
+@pytest.mark.slow  # waits out real step limits
 def test_uninstall_fits_its_limit_when_everything_hangs(tmp_path: Path, waagent: tuple[Path, str], package: Path) -> None:
     vm = Vm(tmp_path, waagent, scale=SCALE)
     pkg = repackage(package, tmp_path / "hanging.zip", {
