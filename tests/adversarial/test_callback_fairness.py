@@ -120,8 +120,11 @@ def test_idle_and_dripping_connections_are_cut_at_the_deadline(tmp_path):
             drip.close()
             assert agent.alive()
             out = tmp_path / "out.jsonl"
-            refused = wait_until(lambda: [r for r in read_jsonl(out) if r["type"] == "approval.refused"
-                                          and r["data"].get("Reason") == "client_timeout"], 30, "the audit records")
+            # Each cut connection is audited on its own: wait for the dripping one's (the idle one's may come first).
+            refused = wait_until(lambda: (rs := [r for r in read_jsonl(out) if r["type"] == "approval.refused"
+                                                 and r["data"].get("Reason") == "client_timeout"])
+                                 and {r["data"]["Client"].split(":")[0] for r in rs} >= {"127.0.0.3"} and rs,
+                                 30, "the dripping client's audit record")
             assert {r["data"]["Client"].split(":")[0] for r in refused} >= {"127.0.0.3"}
         finally:
             rc = agent.terminate()

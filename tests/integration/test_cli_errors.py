@@ -94,13 +94,28 @@ def test_unreachable_imds_once_is_one_line_and_exit_1(tmp_path):
     assert "not reachable" in one_clear_line(res.stderr)
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """In the child before exec: SIGINT at its default and unblocked, as a shell gives a foreground
+    command. A test worker can pass it on ignored or blocked (a command started with SIGINT ignored
+    keeps it ignored, as Python rightly does for background jobs: seen in parallel runs)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signal_masks(pid: int | str) -> str:
+    try:
+        return " ".join(line.strip() for line in open(f"/proc/{pid}/status") if line.startswith(("SigBlk", "SigIgn")))
+    except OSError:
+        return "?"
+
+
 def test_ctrl_c_in_approve_against_unreachable_imds_says_what_it_waits_for_then_exits_130(tmp_path):
     config = tmp_path / "c.toml"
     config.write_text(f'[imds]\nendpoint = "http://127.0.0.1:{closed_port()}"\n[state]\ndir = "{tmp_path / "state"}"\n')
     # PYTHONFAULTHANDLER: should it ever hang after Ctrl-C, a SIGABRT makes it print every thread's stack.
     proc = subprocess.Popen([sys.executable, "-m", "forwarder", "approve", "--config", str(config), "some-event-id"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**_env(), "PYTHONFAULTHANDLER": "1"}, cwd=str(ROOT))
+                            env={**_env(), "PYTHONFAULTHANDLER": "1"}, cwd=str(ROOT), preexec_fn=_ctrl_c_as_in_a_terminal)
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
@@ -110,10 +125,12 @@ def test_ctrl_c_in_approve_against_unreachable_imds_says_what_it_waits_for_then_
         try:
             rc = proc.wait(30)
         except subprocess.TimeoutExpired:
+            masks = f"child {_signal_masks(proc.pid)}; test worker {_signal_masks('self')}\n"
             proc.send_signal(signal.SIGABRT)
             proc.wait(10)
             reader.join(5)
-            raise AssertionError("approve did not exit 30 s after Ctrl-C; its threads:\n" + "".join(err)[-6000:]) from None
+            raise AssertionError("approve did not exit 30 s after Ctrl-C; " + masks + "its threads:\n"
+                                 + "".join(err)[-6000:]) from None
         assert rc == EXIT_INTERRUPTED
     finally:
         if proc.poll() is None:
