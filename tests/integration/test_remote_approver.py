@@ -17,7 +17,7 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from forwarder.common.fleet_keys import as_secret
-from tests.agent import AgentProcess, callback_url, read_jsonl, wait_until, write_config
+from tests.agent import AgentProcess, callback_url, closed_port, read_jsonl, wait_until, write_config
 from tests.fleet import MASTER_SECRET, callback_secret, function_handlers, record, record_key, resource_id
 
 import approver_client  # noqa: E402  (tests.fleet puts the app folder on sys.path)
@@ -154,12 +154,6 @@ def fake():
     server.close()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 NO_WAIT = {"sleep": lambda seconds: None}
 
 
@@ -225,7 +219,7 @@ def test_tls_is_verified_against_the_system_store_or_a_ca_bundle(tmp_path):
 
 
 def test_unreachable_callback_is_not_final():
-    url = f"http://127.0.0.1:{free_port()}/approvals"
+    url = f"http://127.0.0.1:{closed_port()}/approvals"
     answer = approver_client.approve(url, CALLBACK_SECRET, ["EV-1"], "a", "r", resource_id=LEADER_ID, timeout=2,
                                      attempts=2, **NO_WAIT)
     assert (answer["ok"], answer["final"], answer["http_status"], answer["attempts"]) == (False, False, None, 2)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -75,12 +74,6 @@ def recorder():
     server = Recorder()
     yield server
     server.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def settings(template: str, tmp: Path, **extra: str) -> pipeline.Settings:
