@@ -10,7 +10,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,14 @@ def callback_url(agent: AgentProcess, timeout: float = 60) -> str:
                        "the approval callback to listen")
     assert isinstance(found, re.Match), f"the agent exited: {agent.logs()[-3000:]}"
     return found.group(1)
+
+
+@contextmanager
+def callback_agent(config: Path, log: Path, env: dict[str, str]) -> Iterator[tuple[AgentProcess, str]]:
+    """The real agent (its config has the approval callback on ``127.0.0.1:0``) and the callback's
+    URL once it listens; the agent is terminated on exit."""
+    agent = AgentProcess(config, log, env=env)
+    try:
+        yield agent, callback_url(agent)
+    finally:
+        agent.terminate()

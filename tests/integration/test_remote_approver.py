@@ -17,7 +17,7 @@ import pytest
 from standardwebhooks.webhooks import Webhook
 
 from forwarder.common.fleet_keys import as_secret
-from tests.agent import AgentProcess, callback_url, closed_port, read_jsonl, wait_until, write_config
+from tests.agent import callback_agent, closed_port, read_jsonl, wait_until, write_config
 from tests.fleet import MASTER_SECRET, callback_secret, function_handlers, record, record_key, resource_id
 
 import approver_client  # noqa: E402  (tests.fleet puts the app folder on sys.path)
@@ -332,14 +332,10 @@ def live(tmp_path_factory):
                  '[approval.callback]\nlisten = "127.0.0.1:0"\nsecret_env = "SEFWD_CALLBACK_SECRET"\n')
         config = write_config(tmp / "sefwd.toml", emu.vm_url("WestNO_0"), tmp / "state", extra=extra)
         # The VM's own keys only, derived from the fleet master (`sefwd keys derive`): records get sefwdauth.
-        agent = AgentProcess(config, tmp / "agent.log", env={
-            "SEFWD_CALLBACK_SECRET": CALLBACK_SECRET, "SEFWD_AGENT_RECORD_KEY_ENV": "SEFWD_RECORD_KEY",
-            "SEFWD_RECORD_KEY": as_secret(record_key("WestNO_0"))})
-        try:
-            url = callback_url(agent)  # port 0: the OS picks, the agent's log says
+        env = {"SEFWD_CALLBACK_SECRET": CALLBACK_SECRET, "SEFWD_AGENT_RECORD_KEY_ENV": "SEFWD_RECORD_KEY",
+               "SEFWD_RECORD_KEY": as_secret(record_key("WestNO_0"))}
+        with callback_agent(config, tmp / "agent.log", env) as (agent, url):
             yield {"emu": emu, "agent": agent, "out": tmp / "out.jsonl", "url": url}
-        finally:
-            agent.terminate()
 
 
 def _scheduled_record(out: Path, event_id: str) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from forwarder.imds.differ import diff
 from forwarder.imds.document import parse_document
 from forwarder.imds.identity import VmIdentity as AgentVm
 from forwarder.records import RecordFactory
-from tests.agent import AgentProcess, callback_url, read_jsonl, wait_until, write_config
+from tests.agent import callback_agent, read_jsonl, wait_until, write_config
 from tests.fleet import MASTER, MASTER_SECRET, callback_secret, function_handlers, record, record_key, resource_id
 
 import approver_client  # noqa: E402  (tests.fleet puts the app folder on sys.path)
@@ -144,13 +144,9 @@ def fleet(tmp_path_factory):
         config = write_config(tmp / "sefwd.toml", emu.vm_url("WestNO_0"), tmp / "state", extra=extra)
         key_file = tmp / "record.key"  # as the VM extension writes it from protectedSettings
         key_file.write_text(as_secret(record_key("WestNO_0")))
-        agent = AgentProcess(config, tmp / "agent.log", env={
-            "SEFWD_CALLBACK_SECRET": callback_secret("WestNO_0"), "SEFWD_AGENT_RECORD_KEY_FILE": str(key_file)})
-        try:
-            url = callback_url(agent)  # port 0: the OS picks, the agent's log says
+        env = {"SEFWD_CALLBACK_SECRET": callback_secret("WestNO_0"), "SEFWD_AGENT_RECORD_KEY_FILE": str(key_file)}
+        with callback_agent(config, tmp / "agent.log", env) as (agent, url):
             yield {"emu": emu, "out": tmp / "out.jsonl", "url": url, "agent": agent}
-        finally:
-            agent.terminate()
 
 
 def _own_record(out: Path, event_id: str) -> dict[str, Any]:
