@@ -88,8 +88,6 @@ class ArmAttempt:
     approved: list[str] = field(default_factory=list)
     refused: dict[str, str] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
-    http_status: int | None = None  # of the last answer
-    detail: str | None = None
 
     @property
     def outcome(self) -> str:
@@ -104,8 +102,6 @@ class ArmAttempt:
             body["approved"] = list(self.approved)
         if self.refused or self.failed:
             body["refused"] = {**self.refused, **self.failed}
-        if self.detail:
-            body["detail"] = self.detail
         return body
 
     def _reason(self) -> str:
@@ -188,7 +184,6 @@ class ArmApprover:
             except AzureError as exc:  # e.g. retries exhausted on a dropped connection
                 attempt.failed[event_id] = f"arm_error: {_text(exc.message)}"
                 continue
-            attempt.http_status = response.status_code
             if response.status_code == 200:
                 attempt.approved.append(event_id)
                 continue
