@@ -2,8 +2,8 @@
 sequence number it handed out, so that a vanished database is announced, never silent.
 
 It lives in the lock file (``agent.lock``, one small JSON object: ``pid``, ``store``,
-``sequence``), rewritten after every commit of the agent's store without an fsync: one write
-of about 80 bytes. Removing ``state.db`` *and* ``agent.lock`` is a deliberate start-over.
+``sequence``), rewritten after every commit of the agent's store that moved the sequence,
+without an fsync: one write of about 80 bytes. Removing ``state.db`` *and* ``agent.lock`` is a deliberate start-over.
 """
 from __future__ import annotations
 
@@ -71,21 +71,24 @@ class Marker:
         self.store_id = store_id
         self._fd: int | None = None
         self._failed = False
+        self._written: int | None = None  # the sequence the file holds (None: unknown, write)
         try:
             self._fd = os.open(state_dir / LOCK_FILE, os.O_WRONLY | os.O_CREAT, 0o640)
         except OSError as exc:
             log.error("cannot keep the store marker in %s: %s", state_dir / LOCK_FILE, exc)
 
     def write(self, sequence: int) -> None:
-        if self._fd is None:
-            return
+        if self._fd is None or sequence == self._written:
+            return  # the file already says so: no write for a commit that handed out no number
         try:
             rewrite(self._fd, marker_bytes(MarkerData(self.store_id, sequence)))
             self._failed = False
+            self._written = sequence
         except OSError as exc:
             if not self._failed:
                 log.error("cannot update the store marker: %s", exc)
             self._failed = True
+            self._written = None
 
     def close(self) -> None:
         if self._fd is not None:

@@ -23,7 +23,8 @@ import orjson
 
 from forwarder.errors import StateError
 from forwarder.store.database import DB_FILE, FORMAT, SCHEMA, Store, connect, parse_meta, priority_of, sequence_floor
-from forwarder.store.marker import LOCK_FILE, Marker, MarkerData, marker_bytes, parse_marker, read_marker, rewrite
+from forwarder.store.marker import (LOCK_FILE, MAX_MARKER, Marker, MarkerData, marker_bytes, parse_marker, read_marker,
+                                    rewrite)
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ def lock_state_dir(state_dir: Path) -> int | None:
         raise StateError(f"another sefwd agent is running with state dir {state_dir}") from None
     # Our pid, and the store marker kept as it was (forwarder.store.marker: a vanished state.db is announced).
     try:
-        rewrite(fd, marker_bytes(parse_marker(os.read(fd, 4096))))
+        rewrite(fd, marker_bytes(parse_marker(os.read(fd, MAX_MARKER))))
     except OSError:
         pass
     return fd
