@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 
 from forwarder.errors import StateError
+from forwarder.store.actions import ACTIONS_SCHEMA
 from forwarder.store.database import DB_FILE, FORMAT, SCHEMA, Store, connect, parse_meta, priority_of, sequence_floor
 from forwarder.store.marker import (LOCK_FILE, MAX_MARKER, Marker, MarkerData, marker_bytes, parse_marker, read_marker,
                                     rewrite)
@@ -40,7 +41,8 @@ DAMAGE = frozenset({"SQLITE_CORRUPT", "SQLITE_NOTADB", "SQLITE_FORMAT"})  # erro
 # whoever added it, is copied row by row as it is.
 OWN_RULES = ("records", "dead_letters", "meta", "cursors")
 # What a file whose schema cannot be read at all held (at least): every table of the schema.
-SCHEMA_TABLES = tuple(t for t in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA) if t not in ("meta", "cursors"))
+SCHEMA_TABLES = tuple(t for t in re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", SCHEMA + ACTIONS_SCHEMA)
+                      if t not in ("meta", "cursors"))
 REPLAY_FLOOR = "replay_floor"  # meta: callback requests signed before it are refused (forwarder.approval.seen_ids)
 
 
