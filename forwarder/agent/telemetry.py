@@ -467,15 +467,12 @@ class Telemetry:
                 return out
             return observe
 
-        def dead_letters(options: CallbackOptions) -> list[Observation]:
-            sinks = self._snapshot().get("sinks") or {}
-            return [Observation(n, {"sink": name, "reason": reason})
-                    for name, v in sinks.items() for reason, n in (v.get("dead_by_reason") or {}).items()]
-
-        def filtered(options: CallbackOptions) -> list[Observation]:
-            sinks = self._snapshot().get("sinks") or {}
-            return [Observation(n, {"sink": name, "reason": reason})
-                    for name, v in sinks.items() for reason, n in (v.get("filtered_by_reason") or {}).items()]
+        def per_sink_reason(field: str) -> Callable[[CallbackOptions], list[Observation]]:
+            def observe(options: CallbackOptions) -> list[Observation]:
+                sinks = self._snapshot().get("sinks") or {}
+                return [Observation(n, {"sink": name, "reason": reason})
+                        for name, v in sinks.items() for reason, n in (v.get(field) or {}).items()]
+            return observe
 
         def lost(options: CallbackOptions) -> list[Observation]:
             store = self._snapshot().get("store") or {}
@@ -489,9 +486,9 @@ class Telemetry:
                                         "Records delivered per sink")
         meter.create_observable_counter("sefwd.sink.retries", [per_sink("retries")], "1",
                                         "Failed sends that will be retried, per sink")
-        meter.create_observable_counter("sefwd.sink.dead_letters", [dead_letters], "1",
+        meter.create_observable_counter("sefwd.sink.dead_letters", [per_sink_reason("dead_by_reason")], "1",
                                         "Records moved to dead letters, per sink and reason")
-        meter.create_observable_counter("sefwd.sink.filtered", [filtered], "1",
+        meter.create_observable_counter("sefwd.sink.filtered", [per_sink_reason("filtered_by_reason")], "1",
                                         "Records a sink's filter held back (cursor advanced, not sent), per sink and reason")
         meter.create_observable_counter("sefwd.sink.lost", [lost], "1",
                                         "Records lost from the store (size cap, damage; sink '*' = whole store), per reason")

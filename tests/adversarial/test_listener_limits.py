@@ -73,6 +73,12 @@ def settled(socks: list[socket.socket], cap: int) -> None:
     wait_until(done, 60, "the connections over the cap to be closed")
 
 
+def cut_and_released(agent: AgentProcess, socks: list[socket.socket], baseline: int, deadline: float) -> None:
+    """The half-sent requests are cut after the listener's request ``deadline``, and their threads go."""
+    wait_until(lambda: all(closed_by_server(s) for s in socks), deadline + 30, "the half-sent requests to be cut")
+    wait_until(lambda: threads_of(agent.proc.pid) <= baseline + 2, 30, "the threads to go")
+
+
 def get(url: str) -> int:
     with urllib.request.urlopen(url, timeout=5) as response:
         response.read()
@@ -113,9 +119,7 @@ def test_idle_half_sent_requests_against_metrics_hold_few_threads(tmp_path):
             assert get(base + "/metrics") == 200 and get(base + "/healthz") in (200, 503)
             assert time.monotonic() - started < 5
             # And the attacker's connections do not stay: cut after the request deadline.
-            wait_until(lambda: all(closed_by_server(s) for s in socks), TELEMETRY_LIMITS.request_timeout + 30,
-                       "the half-sent requests to be cut")
-            wait_until(lambda: threads_of(agent.proc.pid) <= baseline + 2, 30, "the threads to go")
+            cut_and_released(agent, socks, baseline, TELEMETRY_LIMITS.request_timeout)
         finally:
             for s in socks:
                 s.close()
@@ -168,9 +172,7 @@ def test_idle_half_sent_requests_against_the_probe_hold_few_threads(tmp_path):
             for _ in range(5):
                 assert get(url) == 200  # cuts the oldest attacker to make room, answered on the accept loop
             assert time.monotonic() - started < 5
-            wait_until(lambda: all(closed_by_server(s) for s in socks), CLIENT_TIMEOUT + 30,
-                       "the half-sent requests to be cut")
-            wait_until(lambda: threads_of(agent.proc.pid) <= baseline + 2, 30, "the threads to go")
+            cut_and_released(agent, socks, baseline, CLIENT_TIMEOUT)
         finally:
             for s in socks:
                 s.close()
