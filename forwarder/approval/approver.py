@@ -21,6 +21,7 @@ from forwarder.imds.document import Event, parse_document
 from forwarder.errors import DocumentError, ForwarderError, ImdsError
 from forwarder.imds.identity import VmIdentity
 from forwarder.imds.client import ImdsClient
+from forwarder.store import actions as rows
 from forwarder.store.database import Store
 
 log = logging.getLogger(__name__)
@@ -168,8 +169,6 @@ class Approver:
         """One action row per event, committed ``running``/``posting`` before the POST."""
         if self.actions is None:
             return
-        from forwarder.store import actions as rows
-
         now = time.time()
         try:
             with self.actions.transaction() as c:
@@ -185,8 +184,6 @@ class Approver:
         """The outcome of the rows and the audit entry in one transaction; False if there are no rows."""
         if not self._rows or self.actions is None:
             return False
-        from forwarder.store import actions as rows
-
         state = rows.DONE if attempt.outcome == APPROVED else rows.FAILED
         result = {"Outcome": attempt.outcome, "Reason": attempt.reason, "Detail": attempt.detail or None}
         try:

@@ -69,7 +69,6 @@ class Planner:
         self.vm = vm
         self.store = store
         self.clock = clock
-        self.planned = 0
         self._entries: list[dict[str, Any]] | None = None  # collected by plan(); None: queued in the inbox
 
     # -- the poller's transaction ------------------------------------------------------------
@@ -127,7 +126,6 @@ class Planner:
     def _insert(self, c: sqlite3.Connection, action: NewAction, now: float) -> int:
         action_id = rows.insert(c, action, now)
         self._queue(c, action_audit(PLANNED, "dry_run" if action.dry_run else "planned", action, action_id=action_id))
-        self.planned += 1
         log.info("%splanned %s action %d for %s (%s%s), due %s", "dry run: " if action.dry_run else "", action.kind,
                  action_id, action.event_id, action.hook or "", action.rule or "", _when(action.due))
         return action_id

@@ -326,21 +326,17 @@ class ActionRunner:
             return SUPERSEDED, "event_gone", "the event is no longer in the document"
         if current.started:
             return SUPERSEDED, "already_started", "the event is already Started"
-        if self._approved(current.event_id):
+        if self.store.approved(current.event_id):
             return APPROVED, "already_approved", "this VM approved the event before"
         seen = parse_event(action.event, 0)
         changed = changed_fields(seen, current)
         if changed:
             return SUPERSEDED, "event_changed", f"changed since the rule saw it: {', '.join(changed)}"
-        decision = decide(self.config.rules, current, self.vm())
-        if action.rule is None:  # asked for by the callback: no rule to re-check, only the event and the scope
-            pass
-        elif decision.action != APPROVE or decision.rule != action.rule:
-            return SUPERSEDED, "rule_no_longer_matches", f"the policy now says {decision.action} (rule {decision.rule})"
+        if action.rule is not None:  # (asked for by the callback: no rule to re-check, only the event and the scope)
+            decision = decide(self.config.rules, current, self.vm())
+            if decision.action != APPROVE or decision.rule != action.rule:
+                return SUPERSEDED, "rule_no_longer_matches", f"the policy now says {decision.action} (rule {decision.rule})"
         why = scope_refusal(current, self.vm(), self.config.scope)
         if why is not None:
             return REFUSED, "out_of_scope", why
         return None
-
-    def _approved(self, event_id: str) -> bool:
-        return self.store.approved(event_id)
