@@ -231,3 +231,13 @@ def counts(store: Store) -> dict[str, dict[str, int]]:
         out.setdefault(str(kind), {})[str(state)] = int(n)
     return out
 
+
+def outcomes(store: Store) -> dict[tuple[str, str], int]:
+    """Finished actions by kind and outcome (the result's ``Outcome``, else the state): for metrics."""
+    out: dict[tuple[str, str], int] = {}
+    finals = ",".join(f"'{s}'" for s in FINAL_STATES)
+    for kind, outcome, n in store.query(
+            f"SELECT kind, coalesce(json_extract(CAST(result AS TEXT), '$.Outcome'), state), count(*) FROM actions "
+            f"WHERE state IN ({finals}) GROUP BY 1, 2"):
+        out[(str(kind), str(outcome))] = int(n)
+    return out
