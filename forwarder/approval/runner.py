@@ -35,7 +35,7 @@ from forwarder.records import rfc3339
 from forwarder.store import actions as rows
 from forwarder.store.actions import APPROVE as APPROVE_KIND
 from forwarder.store.actions import POSTING, Action
-from forwarder.store.database import Store
+from forwarder.store.database import Store, put_approvals
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,6 @@ MIN_HOOK_TIMEOUT = 1.0  # a hook started after its deadline still gets this long
 MAX_ATTEMPTS = 5  # an action that keeps ending the agent (or failing to reach IMDS) gives up
 IMDS_RETRY = 5.0  # an approval whose fresh document could not be read is tried again this much later
 IDLE_WAIT = 30.0
-APPROVALS_KEPT = 1000
 KEEP_FINISHED = 30 * 86400.0  # finished rows are forgotten after this long (checked hourly)
 
 
@@ -178,10 +177,8 @@ class ActionRunner:
         with self.store.transaction() as c:
             if rows.finish(c, action.id, state, result, now):
                 self.store.inbox_put(c, entry)
-                if approved is not None:  # (as Store.add_approvals: the last APPROVALS_KEPT)
-                    c.execute("INSERT OR REPLACE INTO approvals VALUES (?, ?)", (approved.lower(), now))
-                    c.execute("DELETE FROM approvals WHERE event_id NOT IN "
-                              "(SELECT event_id FROM approvals ORDER BY time DESC LIMIT ?)", (APPROVALS_KEPT,))
+                if approved is not None:
+                    put_approvals(c, [approved], now)
         level = logging.INFO if state == rows.DONE or entry["Outcome"] == SKIPPED else logging.WARNING
         log.log(level, "%saction %d (%s %s for %s): %s (%s)", "dry run: " if action.dry_run else "", action.id,
                 action.kind, action.hook or action.rule or "", action.event_id, entry["Outcome"], entry["Reason"])

@@ -57,6 +57,16 @@ CREATE TABLE IF NOT EXISTS inbox(id INTEGER PRIMARY KEY AUTOINCREMENT, entry BLO
 # (the actions table: forwarder.store.actions)
 
 
+
+APPROVALS_KEPT = 1000  # accepted approvals remembered (the outcome evidence needs the recent ones)
+
+
+def put_approvals(c: sqlite3.Connection, event_ids: Sequence[str], now: float, keep: int = APPROVALS_KEPT) -> None:
+    """Remember accepted approvals inside the caller's transaction, keeping the newest ``keep``."""
+    c.executemany("INSERT OR REPLACE INTO approvals VALUES (?, ?)", [(e.lower(), now) for e in event_ids])
+    c.execute("DELETE FROM approvals WHERE event_id NOT IN (SELECT event_id FROM approvals ORDER BY time DESC LIMIT ?)",
+              (keep,))
+
 class StoreError(StateError):
     """The store could not commit (disk full, I/O error, locked too long); nothing was changed."""
 
@@ -444,11 +454,9 @@ class Store:
     def approved(self, event_id: str) -> bool:
         return bool(self.query("SELECT 1 FROM approvals WHERE event_id = ?", (event_id.lower(),)))
 
-    def add_approvals(self, event_ids: Sequence[str], keep: int = 1000) -> None:
-        now = self._clock()
+    def add_approvals(self, event_ids: Sequence[str], keep: int = APPROVALS_KEPT) -> None:
         with self.transaction() as c:
-            c.executemany("INSERT OR REPLACE INTO approvals VALUES (?, ?)", [(e.lower(), now) for e in event_ids])
-            c.execute("DELETE FROM approvals WHERE event_id NOT IN (SELECT event_id FROM approvals ORDER BY time DESC LIMIT ?)", (keep,))
+            put_approvals(c, event_ids, self._clock(), keep)
 
     def add_webhook_id(self, digest: str, expires: float) -> bool:
         """Remember a webhook id until ``expires``; False when it is already remembered (atomic)."""
