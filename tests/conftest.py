@@ -14,6 +14,37 @@ SEEDS = ROOT.parent / "shared" / "seeds"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+# Bytecode caching on, whatever PYTHONDONTWRITEBYTECODE says (some images set it): without it every xdist
+# worker rewrites and compiles every test module again (about 3 s of CPU each), and every `python -m
+# forwarder` the tests start compiles the product again. The workers write the caches (__pycache__, git-
+# ignored) as they import; the subprocesses read them.
+sys.dont_write_bytecode = False
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A parallel run compiles once, before the workers start (xdist starts them after this hook): the
+    product, and each test module rewritten the way pytest imports it. Otherwise on a fresh checkout
+    every worker rewrites every test module at the same moment (about 3 s of CPU each). Uses pytest's
+    own rewriting functions; with another pytest that lacks them, the workers simply do it themselves."""
+    config = session.config
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        return
+    import compileall
+
+    compileall.compile_dir(str(ROOT / "forwarder"), quiet=2)
+    try:
+        from _pytest.assertion.rewrite import (PYC_TAIL, _read_pyc, _rewrite_test, _write_pyc, assertstate_key,
+                                               get_cache_dir, try_makedirs)
+        state = config.stash[assertstate_key]
+    except (ImportError, KeyError):  # another pytest, or --assert=plain: nothing to prepare
+        return
+    for source in sorted((ROOT / "tests").rglob("test_*.py")):
+        cache_dir = get_cache_dir(source)
+        pyc = cache_dir / (source.name[:-3] + PYC_TAIL)
+        if try_makedirs(cache_dir) and _read_pyc(source, pyc) is None:
+            source_hash, code = _rewrite_test(source, config)
+            _write_pyc(state, code, source_hash, pyc)
+
 # Hypothesis profiles, chosen by SEFWD_HYPOTHESIS: "ci" (the default, what the README's test command
 # and CI run) gives every property the example count its test asks for; "dev" (the inner loop) a tenth.
 # A test with its own count writes `@settings(max_examples=examples(2000))`.

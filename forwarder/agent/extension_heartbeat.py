@@ -57,7 +57,8 @@ def write_heartbeat(path: Path, doc: list[dict[str, Any]]) -> None:
 
 
 class HeartbeatFile:
-    """Rewrites the heartbeat every ``interval`` seconds, and once more as stopped when ``stop`` is set."""
+    """Rewrites the heartbeat every ``interval`` seconds, and once more as stopped when ``stop`` is set;
+    ``close()`` (the agent's last step) writes stopped as the file's last word, whatever the thread does."""
 
     def __init__(self, path: Path, snapshot: Callable[[], dict[str, Any]], stop: threading.Event,
                  interval: float = REFRESH) -> None:
@@ -66,6 +67,8 @@ class HeartbeatFile:
         self._stop = stop
         self._interval = interval
         self._failed = False
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="extension-heartbeat", daemon=True)
 
     def start(self) -> HeartbeatFile:
@@ -78,7 +81,19 @@ class HeartbeatFile:
             self.write()
         self.write(stopped=True)
 
+    def close(self) -> None:
+        """The stopped heartbeat, written now: the thread is a daemon, so an exiting agent would not
+        wait for its own stopped write; no write after this one."""
+        with self._lock:
+            self._write(stopped=True)
+            self._closed = True
+
     def write(self, *, stopped: bool = False) -> None:
+        with self._lock:
+            if not self._closed:
+                self._write(stopped=stopped)
+
+    def _write(self, *, stopped: bool) -> None:
         try:
             write_heartbeat(self.path, heartbeat(self._snapshot(), stopped=stopped))
             self._failed = False

@@ -222,6 +222,7 @@ class Agent:
                                                     "waiting_since": rfc3339(self.waiting_since)}},
                            self.stop).write()
             notice = WaitNotice(log.info, self.waiting_message, done=self._answered, stop=self.stop).start()
+            heartbeat_file: HeartbeatFile | None = None
             try:
                 vm = resolve_identity(imds, state)
                 factory = RecordFactory(vm, cfg.imds.api_version, sequence=state.sequence, key=cfg.agent.record_key)
@@ -249,7 +250,8 @@ class Agent:
                 reporter.start()
                 poller.on_first_answer = reporter.write  # "waiting for IMDS" ends in the report at once
                 if cfg.agent.heartbeat_file is not None:  # set by the Azure VM extension
-                    HeartbeatFile(cfg.agent.heartbeat_file, lambda: self.snapshot(dispatcher, poller), self.stop).start()
+                    heartbeat_file = HeartbeatFile(cfg.agent.heartbeat_file, lambda: self.snapshot(dispatcher, poller),
+                                                   self.stop).start()
                 if cfg.probe.enabled or telemetry.enabled:
                     from forwarder.agent.probe import Maintenance
 
@@ -289,6 +291,8 @@ class Agent:
                 imds.close()
                 if self.poller is not None:
                     StatusReporter(store, lambda: self.snapshot(dispatcher, poller), self.stop).write(stopped=True)
+                if heartbeat_file is not None:
+                    heartbeat_file.close()
                 store.close()
         finally:
             if lock is not None:

@@ -3,12 +3,14 @@ a stored record of any shape never raises (which would stall that sink's deliver
 any filter table is either a filter or a list of problems."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from forwarder.delivery.filters import FILTER_KEYS, RecordFilter, parse_filter
 from forwarder.sinkapi import Record
 from sinks.notify_messages import MAX_BODY, MAX_TITLE, MessageRenderer
+from tests.conftest import examples
 
 JSON = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40)),
@@ -29,7 +31,8 @@ FILTERS = [
 RENDERERS = [MessageRenderer(None, fmt) for fmt in ("text", "markdown", "html")]
 
 
-@settings(max_examples=1500, deadline=None)
+@pytest.mark.slow  # a large property run (1,500 examples)
+@settings(max_examples=examples(1500), deadline=None)
 @given(TYPES, DATA, st.one_of(JSON, st.text(max_size=40)))
 def test_any_stored_record_is_judged_and_rendered_without_raising(rtype, data, time):
     record = Record.from_dict({"id": "r", "type": rtype, "time": time, "data": data})
@@ -42,7 +45,8 @@ def test_any_stored_record_is_judged_and_rendered_without_raising(rtype, data, t
         assert message.notify_type in ("info", "success", "warning", "failure")
 
 
-@settings(max_examples=1500, deadline=None)
+@pytest.mark.slow  # a large property run (1,500 examples)
+@settings(max_examples=examples(1500), deadline=None)
 @given(st.one_of(JSON, st.dictionaries(st.sampled_from([*FILTER_KEYS, "other"]), JSON, max_size=5)))
 def test_any_filter_table_is_a_filter_or_problems(table):
     parsed, problems = parse_filter(table, "sinks[0]")
@@ -50,7 +54,7 @@ def test_any_filter_table_is_a_filter_or_problems(table):
     assert all(isinstance(p, str) and p.startswith("sinks[0]: ") for p in problems)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(st.one_of(st.datetimes(timezones=st.none()).map(lambda d: d.isoformat()),
                  st.datetimes(timezones=st.timezones()).map(lambda d: d.isoformat()),
                  st.sampled_from(["0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-14:00", "2026-11-26T01:23:00Z"])))

@@ -60,3 +60,28 @@ def test_the_config_key_is_off_by_default_and_set_by_file_or_environment(tmp_pat
     assert parse_config({"agent": {"heartbeat_file": ""}}, {}, source, check_sinks=False).agent.heartbeat_file is None
     env = {"SEFWD_AGENT_HEARTBEAT_FILE": "/var/lib/sefwd/extension-heartbeat.json"}
     assert parse_config({}, env, source, check_sinks=False).agent.heartbeat_file == Path(env["SEFWD_AGENT_HEARTBEAT_FILE"])
+
+
+def test_close_writes_stopped_as_the_last_word_even_with_the_thread_mid_tick(tmp_path: Path) -> None:
+    """The thread is a daemon: an agent exiting right after `stop` was set would not wait for the
+    thread's own stopped write (a heartbeat left Ready after a clean stop, seen under load). close()
+    writes it, and a tick that comes late never overwrites it."""
+    path = tmp_path / "heartbeat.json"
+    in_tick, release = threading.Event(), threading.Event()
+
+    def slow_snapshot() -> dict:
+        if threading.current_thread().name == "extension-heartbeat":
+            in_tick.set()
+            release.wait(10)
+        return _snapshot()
+
+    stop = threading.Event()
+    beat = HeartbeatFile(path, slow_snapshot, stop, interval=0.01).start()
+    assert in_tick.wait(10)  # the thread is inside a "running" write
+    closer = threading.Thread(target=beat.close)
+    closer.start()
+    release.set()  # the running tick finishes first (it holds the lock), then close() writes stopped
+    closer.join(10)
+    assert _beat(json.loads(path.read_text()))["status"] == "NotReady"
+    beat.write()  # a later tick (stop was never set here): no effect
+    assert _beat(json.loads(path.read_text()))["formattedMessage"]["message"].startswith("sefwd stopped")
