@@ -11,7 +11,6 @@ import importlib
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -128,6 +127,8 @@ def _import(target: str) -> Any:
 def available_sinks() -> dict[str, str]:
     """Every sink type by name: built-ins, then entry points (which may not shadow built-ins)."""
     found = dict(BUILTIN_SINKS)
+    from importlib.metadata import entry_points  # here: importing it costs every CLI command a few ms
+
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         found.setdefault(ep.name, ep.value)
     return found
@@ -135,6 +136,8 @@ def available_sinks() -> dict[str, str]:
 
 def load_sink_factory(type_name: str) -> Any:
     """Import the class for a sink type; raises LookupError or ImportError with a clear message."""
+    if type_name in BUILTIN_SINKS:  # no need to read every installed package's entry points (~15 ms)
+        return _import(BUILTIN_SINKS[type_name])
     targets = available_sinks()
     if type_name not in targets:
         raise LookupError(

@@ -42,26 +42,34 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in data.split(b"\n")[:-1] if line.strip()]
 
 
+def _pause(interval: float, cost: float) -> None:
+    """Sleep between two checks: ``interval``, or the check's own cost if that is longer, so a costly
+    check (a CLI subprocess, a scrape) takes at most half a core while it waits, not a whole one."""
+    time.sleep(max(interval, cost))
+
+
 def poll_until(predicate: Callable[[], Any], timeout: float = 5.0, interval: float = 0.02) -> Any:
     """Poll until ``predicate`` is truthy or the deadline passes; returns its last value."""
     deadline = time.monotonic() + timeout
     while True:
+        started = time.monotonic()
         value = predicate()
         if value or time.monotonic() > deadline:
             return value
-        time.sleep(interval)
+        _pause(interval, time.monotonic() - started)
 
 
 def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll until ``predicate`` returns something truthy, or fail with ``what``."""
     deadline = time.monotonic() + timeout
     while True:
+        started = time.monotonic()
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+        _pause(interval, time.monotonic() - started)
 
 
 _STARTED: list[subprocess.Popen[bytes]] = []

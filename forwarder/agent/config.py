@@ -22,7 +22,7 @@ from forwarder.approval.settings import ApprovalConfig
 from forwarder.common.connection_strings import appinsights_problems
 from forwarder.delivery.filters import RecordFilter, filter_for
 from forwarder.errors import ConfigError
-from forwarder.common.http_server import parse_listen
+from forwarder.common.listen import parse_listen
 from forwarder.common.logs import redact
 from forwarder.common.signing import load_secret
 from forwarder.common.values import (

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forwarder.approval.settings import ApprovalConfig
+from forwarder.approval.settings import APPROVED, FAILED, HELD, OUTCOMES, REFUSED, ApprovalConfig
 from forwarder.approval.scope import scope_refusal
 from forwarder.imds.document import Event, parse_document
 from forwarder.errors import DocumentError, ForwarderError, ImdsError
@@ -26,11 +26,6 @@ from forwarder.store.database import Store
 
 log = logging.getLogger(__name__)
 
-APPROVED = "approved"
-REFUSED = "refused"
-FAILED = "failed"
-HELD = "held"
-OUTCOMES = (APPROVED, REFUSED, FAILED, HELD)
 AUDIT_FIELDS = (
     "EventId", "EventIds", "Outcome", "Actor", "Approver", "Rule", "Reason", "Detail", "Client",
     "HttpStatus", "ImdsStatus", "Hook", "DocumentIncarnation",

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import re
-import ssl
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from forwarder.approval.settings import (ACTIONS, CHANGE_KINDS, SCOPES, UNDO_KINDS, ApprovalConfig, CallbackSettings,
                                         HookSpec, Rule)
-from forwarder.common.http_server import parse_listen, tls_server_context
+from forwarder.common.listen import parse_listen, tls_server_context
 from forwarder.common.signing import SignatureError, parse_secret
 from forwarder.common.values import boolean, choice, duration, integer, parse_labelled, parse_table, size, suggest
 
@@ -333,6 +332,8 @@ def _parse_callback(raw: Any, env: Mapping[str, str], base_dir: Path | None,
 
 def _tls_problems(cert: Path, key: Path) -> list[str]:
     """Load the pair as the server will at start, so a wrong or mismatched file fails the check instead."""
+    import ssl  # only a config with a TLS callback pays for it
+
     try:
         tls_server_context(cert, key)
     except (OSError, ssl.SSLError) as exc:

@@ -5,6 +5,14 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# The outcome of an approval (approval.<outcome> records); here, not in the approver, so that reading a
+# config does not import the approver and what it needs (the store, the IMDS client).
+APPROVED = "approved"
+REFUSED = "refused"
+FAILED = "failed"
+HELD = "held"
+OUTCOMES = (APPROVED, REFUSED, FAILED, HELD)
+
 SCOPES = ("self", "leader", "any", "self_or_leader")
 ACTIONS = ("approve", "hold", "ignore")
 CHANGE_KINDS = ("scheduled", "started", "updated", "completed", "canceled", "ended")

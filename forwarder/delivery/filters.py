@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from forwarder.approval.approver import OUTCOMES as APPROVAL_OUTCOMES
+from forwarder.approval.settings import OUTCOMES as APPROVAL_OUTCOMES
 from forwarder.approval.config import KNOWN_VALUES
 from forwarder.common.values import suggest
 from forwarder.imds.differ import KINDS

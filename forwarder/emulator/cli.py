@@ -6,8 +6,6 @@ import logging
 import signal
 import sys
 import threading
-import urllib.error
-import urllib.request
 from typing import Any
 
 import orjson
@@ -147,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         return _ctl(args)
     from forwarder.emulator.scenario import builtin_scenarios, load_scenario
     from forwarder.emulator.server import Emulator
-    from forwarder.common.http_server import host_port_text, parse_listen
+    from forwarder.common.listen import host_port_text, parse_listen
     from forwarder.common.loopback import is_loopback
 
     if args.list_scenarios:
@@ -220,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _ctl_request(base: str, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, Any]:
+    import urllib.error
+    import urllib.request  # only `emulator ctl` needs an HTTP client
+
     data = orjson.dumps(body) if body is not None else None
     req = urllib.request.Request(base.rstrip("/") + "/_emulator/" + path, data=data, method=method,
                                  headers={"Content-Type": "application/json"})

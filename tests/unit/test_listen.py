@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from forwarder.common.http_server import host_port_text, parse_listen
+from forwarder.common.listen import host_port_text, parse_listen
 
 
 @pytest.mark.parametrize("text, expected", [
