@@ -93,6 +93,8 @@ class SinkContext:
 
     name: str
     state_dir: Path
+    # Set when delivery ends (after the agent's drain): a sink cuts its waits short then (pacing, a retry).
+    # Not set while the agent drains: what is left must still go out.
     stop: threading.Event = field(default_factory=threading.Event)
     pretty: bool = False
 

@@ -99,14 +99,17 @@ class Agent:
     def _start_delivery(self, store: Store) -> Dispatcher:
         """The sinks, and a dispatcher delivering the store's records to them."""
         cfg = self.config
-        sinks = self.telemetry.instrument_sinks(build_sinks(cfg, self.stop, pretty=self.pretty))
+        # The sinks' stop is the end of delivery (the dispatcher's halt, after the drain), not the agent's
+        # stop: during the drain a sink must still send what is left, and only then cut its waits short.
+        halt = threading.Event()
+        sinks = self.telemetry.instrument_sinks(build_sinks(cfg, halt, pretty=self.pretty))
         backoff = Backoff(
             initial=cfg.delivery.retry_initial,
             maximum=cfg.delivery.retry_max,
             retry_after_cap=cfg.delivery.retry_after_cap,
         )
         dispatcher = Dispatcher(store, sinks, backoff=backoff, max_age={s.name: s.max_age for s in cfg.sinks},
-                                filters={s.name: s.filter for s in cfg.sinks})
+                                filters={s.name: s.filter for s in cfg.sinks}, halt=halt)
         dispatcher.start()
         return dispatcher
 

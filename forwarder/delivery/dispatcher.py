@@ -227,11 +227,11 @@ class Dispatcher:
     def __init__(self, store: Store, sinks: Mapping[str, Sink], *, backoff: Backoff | None = None,
                  max_age: Mapping[str, float | None] | None = None, stuck_after: float = STUCK_AFTER,
                  supervise_every: float = SUPERVISE_EVERY,
-                 filters: Mapping[str, RecordFilter | None] | None = None) -> None:
+                 filters: Mapping[str, RecordFilter | None] | None = None, halt: threading.Event | None = None) -> None:
         self.store = store
         self.sinks = dict(sinks)
         store.sinks = tuple(self.sinks)
-        self.halt = threading.Event()
+        self.halt = halt or threading.Event()  # set when delivery ends; the agent gives its sinks the same event
         backoff = backoff or Backoff()
         self.workers = {
             name: SinkWorker(name, sink, store, backoff=backoff, halt=self.halt, max_age=(max_age or {}).get(name),

@@ -200,6 +200,10 @@ def test_the_agent_notifies_from_the_emulator_retries_and_dead_letters(peer, tmp
     (dead,) = dead_letters(config, "people")
     assert dead["reason"] == "http_410" and dead["record"]["subject"] == second
     assert "T0KEN5ECRET99" not in agent.logs() and "T0KEN5ECRET99" not in str(dead)
+    # What was left at SIGTERM (the agent's own "stopped" notice) went out in the drain: the sink's stop is
+    # the end of delivery, not the agent's stop (it used to refuse every send and wait out drain_timeout).
+    assert "not delivered before shutdown" not in agent.logs()
+    assert len(peer.requests) == 4 and "stopped" in peer.requests[3].json()["title"].lower(), peer.requests[3].json()
 
 
 # -- URLs: one per documented service, checked without echoing a token ---------------------------
