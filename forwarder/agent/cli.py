@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--pretty", action="store_true", default=None, help="human-readable lines (default on a terminal)")
     fmt.add_argument("--json", dest="pretty", action="store_false", help="one JSON record per line")
     p.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds (default 120)")
+    p.add_argument("--time-scale", type=float, default=1.0, metavar="F",
+                   help="multiply every real-time delay of the scenario (default 1; 0.5 runs twice as fast)")
 
     p = _command(sub, "run", "run the agent (the service)",
                  "Poll IMDS, store every change as a CloudEvents record and deliver it to the configured "
@@ -301,7 +303,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
     stop = threading.Event()
     _install_signals(stop)
-    with tempfile.TemporaryDirectory(prefix="sefwd-demo-") as tmp, Emulator(scenario=scenario) as emulator:
+    emulator_ = Emulator(scenario=scenario, time_scale=args.time_scale)
+    with tempfile.TemporaryDirectory(prefix="sefwd-demo-") as tmp, emulator_ as emulator:
         sinks = config.sinks if args.config else (SinkConfig(type="stdout", name="stdout", options={}),)
         approval = config.approval
         if not approval.rules:

@@ -151,7 +151,9 @@ def test_cli_approve_is_audited_through_the_agent(tmp_path, agent_running):
 
 
 def test_demo_shows_the_whole_approval_loop():
-    done = sefwd("demo", "--json", timeout=180)
+    # Faster than a human sees it, with every change still two polls (>= 1 s) from the next: at 0.5 the
+    # Reboot's completion and the Redeploy's cancel can share one poll (an incarnation jump: "ended").
+    done = sefwd("demo", "--json", "--time-scale", "0.75", timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [orjson.loads(line) for line in done.stdout.splitlines()]
     freeze = "A1F0E5A7-0001-4C5D-9E8F-000000000001"

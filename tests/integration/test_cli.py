@@ -23,7 +23,9 @@ def sefwd(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -
 
 
 def test_demo_prints_scheduled_started_completed_on_stdout_only():
-    done = sefwd("demo", "--json", timeout=180)
+    # Faster than a human sees it, with every change still two polls (>= 1 s) from the next: at 0.5 the
+    # Reboot's completion and the Redeploy's cancel can share one poll (an incarnation jump: "ended").
+    done = sefwd("demo", "--json", "--time-scale", "0.75", timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     records = [orjson.loads(line) for line in done.stdout.splitlines()]
     types = [r["type"] for r in records]

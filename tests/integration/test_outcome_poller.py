@@ -95,7 +95,7 @@ def test_without_boot_id_a_cancel_seen_by_the_same_process_is_canceled(tmp_path:
 
 def test_after_a_restart_the_first_sighting_by_the_new_process_counts(tmp_path: Path) -> None:
     """Restarted (no boot id or time): unknown until this process has seen the document itself."""
-    with Emulator() as emu:
+    with Emulator(rate_limit=None) as emu:  # (see _down_across)
         seen_again = emu.schedule(type="Reboot", not_before="+15m")
         with poller_for(emu, tmp_path) as poller:
             poll_until(poller, lambda: of(tmp_path, seen_again, ("scheduledevent.scheduled",)), "scheduled")
@@ -120,7 +120,11 @@ def test_after_a_restart_the_first_sighting_by_the_new_process_counts(tmp_path: 
 
 def _down_across(emu: Emulator, state_dir: Path, before: dict[str, Any], after: dict[str, Any],
                  ran: bool) -> dict[str, Any]:
-    """The agent sees a Reboot of its VM Scheduled, is down while it runs (or is canceled), restarts."""
+    """The agent sees a Reboot of its VM Scheduled, is down while it runs (or is canceled), restarts.
+
+    Each "process" has a fresh request budget, so the emulator of a test with several of them runs
+    without its 5 requests/s limit: a 429 only made the poll retry a second later (the budget across
+    processes is test_imds_budget's subject, not evidence's)."""
     event = emu.schedule(type="Reboot", not_before="+15m", resources=["vm-0", "other-vm"])
     with poller_for(emu, state_dir, **before) as poller:
         poll_until(poller, lambda: of(state_dir, event, ("scheduledevent.scheduled",)), "scheduled record")
@@ -136,7 +140,7 @@ def _down_across(emu: Emulator, state_dir: Path, before: dict[str, Any], after: 
 
 def test_restart_evidence_boot_id_then_boot_time(tmp_path: Path) -> None:
     booted = time.time() - 3600.0
-    with Emulator(vms=["vm-0", "other-vm"]) as emu:
+    with Emulator(vms=["vm-0", "other-vm"], rate_limit=None) as emu:  # (see _down_across)
         cases = [
             # (first process, second process, did it run) -> (outcome, used, rebooted, rebooted by)
             ({"boot_id": lambda: "boot-a"}, {"boot_id": lambda: "boot-b"}, True,
