@@ -73,7 +73,10 @@ def _response(status: int, body: bytes, content_type: str, now: datetime, extra:
 
 
 class _Server(HttpServer):
-    request_queue_size = 128
+    # A burst of connects (hundreds of idle ones, or many probers at once) waits in the kernel's
+    # backlog, which holds no thread, while the accept loop cuts the oldest: with 128 the burst
+    # overflowed it and a dropped SYN (a load balancer's probe too) was retried only after 1 s.
+    request_queue_size = 1024
     owner: ProbeServer
 
     def serve_at_once(self, request: Any, client_address: Any) -> bool:

@@ -5,6 +5,7 @@ import logging
 import os
 import threading
 from datetime import datetime
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from forwarder import __version__
@@ -31,6 +32,7 @@ if TYPE_CHECKING:  # imported at run time only when approvals are configured
     from forwarder.approval.callback import ApprovalRequest, CallbackServer, Verdict
     from forwarder.approval.refusals import RefusalAggregator
     from forwarder.agent.probe import Maintenance
+    from forwarder.agent.maintenance import MaintenanceTracker, MaintenanceView
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,24 @@ def resolve_identity(imds: ImdsClient, state: SavedState) -> VmIdentity:
     if state.vm:
         return VmIdentity.from_dict(state.vm)
     return VmIdentity.fallback()
+
+
+def _report_state_changes(reporter: StatusReporter, tracker: MaintenanceTracker
+                          ) -> Callable[[MaintenanceView, datetime], None]:
+    """A maintenance listener: a new probe state (or event) is in the status report at once, so
+    `sefwd status` shows a maintenance when the probe does, not up to the reporter's 5 s later."""
+
+    def key(view: MaintenanceView) -> tuple[str, str | None]:
+        return view.state, view.event.event_id if view.event else None
+
+    last = [key(tracker.view())]  # (the report written at start has this state already)
+
+    def listener(view: MaintenanceView, now: datetime) -> None:
+        if key(view) != last[0]:
+            last[0] = key(view)
+            reporter.write()
+
+    return listener
 
 
 class Agent:
@@ -263,6 +283,8 @@ class Agent:
                         refresh=max(10.0, cfg.imds.poll_interval + cfg.imds.timeout)).start(poller.current)
                     poller.on_document = maintenance.tracker.observe
                     telemetry.bind(maintenance=maintenance.tracker)
+                    if cfg.probe.enabled:
+                        maintenance.tracker.add_listener(_report_state_changes(reporter, maintenance.tracker))
                 telemetry.bind(snapshot=dispatcher.snapshot, poller=poller)
                 telemetry.start()
                 self.ready.set()

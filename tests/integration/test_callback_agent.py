@@ -81,36 +81,56 @@ def refused(agent, body: bytes, headers: dict[str, str], status: int, reason: st
 
 
 def test_bad_requests_are_refused_audited_and_never_posted(agent):
-    emu = agent["emu"]
+    emu, out = agent["emu"], agent["out"]
     event = emu.schedule(type="Freeze", duration=5, resources=["WestNO_0", "WestNO_1"], start_after=600)
-    wait_until(lambda: any(r.get("subject") == event for r in read_jsonl(agent["out"])), 30, "event seen")
+    other_vm = emu.schedule(type="Reboot", resources=["zzz"], start_after=600)
+    started = emu.schedule(type="Reboot", resources=["WestNO_0"], status="Started")
+    wait_until(lambda: {event, other_vm, started} <= {r.get("subject") for r in read_jsonl(out)}, 30, "events seen")
+    before = count_audits(out)
+    posts = len(emu.stats()["start_requests"])
+    audited: list[str] = []  # the reasons audited at once, in order (a repeat is only counted)
+
+    def refused_now(body: bytes, headers: dict[str, str], status: int, reason: str, *, repeat: bool = False) -> None:
+        # Every request is answered at once; their audits are awaited together below (each would
+        # otherwise wait for the poll turn that commits it: 0.5 s apiece).
+        answer = requests.post(agent["url"], data=body, headers=headers, timeout=10)
+        assert answer.status_code == status, answer.text
+        assert answer.json()["reason"].startswith(reason), answer.text
+        assert len(emu.stats()["start_requests"]) == posts, "no IMDS POST for a refused request"
+        if not repeat:
+            audited.append(reason)
+
     good = body_for(event, approver="tests")
-    refused(agent, good, {**signed(good), "webhook-signature": "v1,AAAA"}, 401, "bad_signature")
-    refused(agent, good, signed(good, key=parse_secret(generate_secret())), 401, "bad_signature", repeat=True)
+    refused_now(good, {**signed(good), "webhook-signature": "v1,AAAA"}, 401, "bad_signature")
+    refused_now(good, signed(good, key=parse_secret(generate_secret())), 401, "bad_signature", repeat=True)
     for missing in ("webhook-id", "webhook-timestamp", "webhook-signature"):
         headers = signed(good)
         del headers[missing]
-        refused(agent, good, headers, 401, "missing_headers", repeat=missing != "webhook-id")
-    refused(agent, good, signed(good, now=time.time() - 600), 401, "stale_timestamp")
-    refused(agent, good, signed(good, now=time.time() + 600), 401, "future_timestamp")
+        refused_now(good, headers, 401, "missing_headers", repeat=missing != "webhook-id")
+    refused_now(good, signed(good, now=time.time() - 600), 401, "stale_timestamp")
+    refused_now(good, signed(good, now=time.time() + 600), 401, "future_timestamp")
     big = body_for(event, reason="x" * 5000)
-    refused(agent, big, signed(big), 413, "body_too_large")
+    refused_now(big, signed(big), 413, "body_too_large")
     bad_json = b'{"StartRequests": [{"EventId": '
-    refused(agent, bad_json, signed(bad_json), 400, "malformed_json")
+    refused_now(bad_json, signed(bad_json), 400, "malformed_json")
     unknown = body_for("00000000-0000-0000-0000-000000000000")
-    refused(agent, unknown, signed(unknown), 422, "unknown_event")
-    other_vm = emu.schedule(type="Reboot", resources=["zzz"], start_after=600)
+    refused_now(unknown, signed(unknown), 422, "unknown_event")
     not_mine = body_for(other_vm)
-    wait_until(lambda: any(r.get("subject") == other_vm for r in read_jsonl(agent["out"])), 30, "event seen")
-    refused(agent, not_mine, signed(not_mine), 422, "out_of_scope")
-    started = emu.schedule(type="Reboot", resources=["WestNO_0"], status="Started")
-    wait_until(lambda: any(r.get("subject") == started for r in read_jsonl(agent["out"])), 30, "event seen")
+    refused_now(not_mine, signed(not_mine), 422, "out_of_scope")
     body = body_for(started)
-    refused(agent, body, signed(body), 422, "already_started")
+    refused_now(body, signed(body), 422, "already_started")
+    # One record each, at once, for the first refusal of each reason; none (yet) for a repeat.
+    new = wait_until(lambda: a if len(a := audits(out, before)) >= len(audited) else None, 30,
+                     f"audits of {audited}")
+    assert [a["type"] for a in new] == ["approval.refused"] * len(audited), new
+    assert len(new) == len(audited) and all(a["data"]["Reason"].startswith(reason) for a, reason in zip(new, audited)), \
+        ([a["data"]["Reason"] for a in new], audited)
+    assert all(a["data"]["Actor"] == "callback" for a in new)
+    assert len(emu.stats()["start_requests"]) == posts, "no IMDS POST for a refused request"
     assert agent["proc"].terminate() == 0
     # Stopping flushed the refusals counted since their first record: one record each, with a count.
     counted: dict[str, int] = {}
-    for r in read_jsonl(agent["out"]):
+    for r in read_jsonl(out):
         if r["type"] == "approval.refused":
             counted[r["data"]["Reason"]] = counted.get(r["data"]["Reason"], 0) + (r["data"]["Count"] or 1)
     assert counted["bad_signature"] == 2 and counted["missing_headers"] == 3, counted

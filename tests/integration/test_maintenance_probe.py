@@ -43,9 +43,10 @@ def state(url: str) -> tuple[int, dict]:
     return status, json.loads(body)
 
 
-def start_agent(tmp_path: Path, emu: Emulator, probe_extra: str = "") -> tuple[AgentProcess, str, Path]:
+def start_agent(tmp_path: Path, emu: Emulator, probe_extra: str = "", poll: str = "500ms"
+                ) -> tuple[AgentProcess, str, Path]:
     state_file = tmp_path / "run" / "maintenance.json"
-    config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state", poll_interval="1s",
+    config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state", poll_interval=poll,
                           extra=f'[probe]\nlisten = "127.0.0.1:0"\nsettle = "2s"\nstate_file = "{state_file}"\n'
                                 f"{probe_extra}")
     agent = AgentProcess(config, tmp_path / "agent.log")
@@ -84,12 +85,12 @@ def same_as_file(body: dict, state_file: Path) -> None:
 
 def test_probe_503_within_a_poll_then_200_after_the_end_and_settle(tmp_path):
     with Emulator(vms=["web-0", "web-1"]) as emu:
-        agent, url, state_file = start_agent(tmp_path, emu)
+        agent, url, state_file = start_agent(tmp_path, emu, poll="1s")  # "within a poll" below: 1 s
         try:
             body = seen(url, emu)
             assert body["state"] == "serving" and body["EventId"] is None
             same_as_file(body, state_file)
-            event_id = emu.schedule(type="Reboot", resources=["web-0"], start_after=600)
+            event_id = emu.schedule(type="Reboot", resources=["web-0"], start_after=600, complete_after=0.5)
             first = wait_until(lambda: (f := json.loads(state_file.read_text()))["EventId"] == event_id and f, 30,
                                "the state file to name the event")
             status, body = state(url)
@@ -108,7 +109,7 @@ def test_probe_503_within_a_poll_then_200_after_the_end_and_settle(tmp_path):
             flipped = datetime.fromisoformat(first["written_at"]) - datetime.fromisoformat(record["time"])
             assert 0 <= flipped.total_seconds() < 1.0, flipped
 
-            emu.approve(event_id)  # Started, then gone after complete_after (2 s)
+            emu.approve(event_id)  # Started, then gone after complete_after (0.5 s)
             wait_until(lambda: state(url)[1]["state"] == "settling", 30, "settling after the event ended")
             status, body = state(url)
             assert status == 503 and body["EventId"] == event_id and body["EventStatus"] == "Ended"
