@@ -242,7 +242,9 @@ def test_an_exception_inside_the_cycle_is_logged_counted_and_survived(
         return serve(req) if handler.phase != "bad" else GOOD_1
 
     server.handler = hostile_compute
-    agent = start_agent(tmp_path, server, env={"SEFWD_IMDS_COMPUTE_REFRESH": "100ms"})  # every poll cycle
+    # Every other poll cycle (0.5 s apart): a good cycle between two failed ones keeps the poller from
+    # backing off (failed cycles in a row lengthen its wait).
+    agent = start_agent(tmp_path, server, env={"SEFWD_IMDS_COMPUTE_REFRESH": "900ms"})
     out = tmp_path / "out.jsonl"
     try:
         wait_until(lambda: scheduled_records(out), 60, "the first good document")
