@@ -27,6 +27,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("forwarder")
 
+# One-shot commands (`once`, `approve`) say what they wait for when IMDS has not answered after this
+# many seconds (their IMDS request budget alone can space two or three requests over about 3 s);
+# $SEFWD_WAIT_NOTICE_AFTER (seconds) sets another delay, e.g. for tests.
+WAIT_NOTICE_AFTER = 5.0
+
+
+def _wait_notice_after() -> float:
+    try:
+        return max(0.0, float(os.environ["SEFWD_WAIT_NOTICE_AFTER"]))
+    except (KeyError, ValueError):
+        return WAIT_NOTICE_AFTER
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_CONFIG = 2
@@ -236,7 +248,7 @@ def cmd_once(args: argparse.Namespace) -> int:
     _setup_logging(args, config.agent.log_level)
     imds = _cli_imds(config.imds)
     notice = WaitNotice(_say, f"once: waiting for IMDS at {config.imds.endpoint} (the first answer can take up "
-                        f"to {config.imds.first_call_timeout:g} s; Ctrl-C gives up)", first=5.0)
+                        f"to {config.imds.first_call_timeout:g} s; Ctrl-C gives up)", first=_wait_notice_after())
     with notice, _imds_turn(config.state.dir):  # beside other one-shot commands (docs/imds-transport.md)
         try:
             fetch = imds.scheduled_events()
@@ -411,7 +423,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
     # IMDS may be slow or unreachable (each call retries for up to 90 s): say so after 5 s, not nothing
     # (the request budget alone spaces its two or three requests over up to about 3 s).
     with WaitNotice(_say, f"approve: waiting for IMDS at {config.imds.endpoint} (retrying for up to "
-                    f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)", first=5.0), _imds_turn(config.state.dir):
+                    f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)", first=_wait_notice_after()), _imds_turn(config.state.dir):
         imds = _cli_imds(config.imds)
         try:
             saved = _saved_state(config.state.dir)

@@ -88,6 +88,7 @@ class AgentConfig:
     record_key_env: str | None = None
     record_key_file: str | None = None
     record_key: bytes | None = field(default=None, repr=False)
+    status_interval: float = 5.0  # a changed status report is written within this many seconds
 
 
 @dataclass(frozen=True)
@@ -319,6 +320,7 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "heartbeat_file": _Key("", _optional_file),
         "record_key_env": _Key("", _optional_text),
         "record_key_file": _Key("", _optional_text),
+        "status_interval": _Key("5s", duration(0.05, 300.0)),
     },
     "journal": {
         "max_size": _Key("256MiB", size(1024 * 1024, 64 * 1024**3)),

@@ -268,7 +268,8 @@ class Agent:
                 # A loss found at start (self.loss) is announced by the poller's first turn: its
                 # forwarder.data_lost record waits in the store's inbox until it commits.
                 self._start_approvals(poller, store)
-                reporter = StatusReporter(store, lambda: self.snapshot(dispatcher, poller), self.stop)
+                reporter = StatusReporter(store, lambda: self.snapshot(dispatcher, poller), self.stop,
+                                          interval=cfg.agent.status_interval)
                 reporter.write()
                 reporter.start()
                 poller.on_first_answer = reporter.write  # "waiting for IMDS" ends in the report at once

@@ -68,7 +68,9 @@ def scheduled_records(out: Path) -> list[tuple[str, str]]:
 
 def start_agent(tmp_path: Path, server: HostileServer, env: dict[str, str] | None = None) -> AgentProcess:
     config = write_config(tmp_path / "sefwd.toml", server.url, tmp_path / "state")
-    return AgentProcess(config, tmp_path / "agent.log", env={"SEFWD_IMDS_TIMEOUT": "1s", **(env or {})})
+    # The status report is written within 100 ms of a change (not 5 s): tests wait for its counts.
+    return AgentProcess(config, tmp_path / "agent.log",
+                        env={"SEFWD_IMDS_TIMEOUT": "1s", "SEFWD_AGENT_STATUS_INTERVAL": "100ms", **(env or {})})
 
 
 def status_of(tmp_path: Path) -> dict[str, Any]:
@@ -84,10 +86,10 @@ def rss_peak_mib(pid: int) -> float:
 
 
 def run_through(tmp_path: Path, handler: Imds, server: HostileServer, bad: Reply, *, log_says: tuple[str, ...],
-                min_bad: int = 1) -> float:
+                min_bad: int = 1, env: dict[str, str] | None = None) -> float:
     """good 1 → ``bad`` (at least ``min_bad`` times) → good 2; the common assertions; returns the peak RSS in MiB."""
     out = tmp_path / "out.jsonl"
-    agent = start_agent(tmp_path, server)
+    agent = start_agent(tmp_path, server, env)
     try:
         wait_until(lambda: scheduled_records(out), 60, "the record of the first good document")
         handler.bad = bad
@@ -117,7 +119,8 @@ def test_slow_drip_is_cut_by_the_request_deadline(tmp_path: Path, imds: tuple[Im
     handler, server = imds
     # One byte per second: with per-recv timeouts this held the poller forever.
     run_through(tmp_path, handler, server, Reply.json(document(2, "Started"), drip=1.0),
-                log_says=("deadline for the whole answer",), min_bad=2)
+                log_says=("deadline for the whole answer",), min_bad=2,
+                env={"SEFWD_IMDS_TIMEOUT": "500ms"})  # each answer to a loopback poll takes milliseconds
 
 
 @pytest.mark.slow  # real-time backoff
@@ -186,7 +189,7 @@ def test_interim_answers_including_103_in_its_own_segment(tmp_path: Path, imds: 
 def test_stalled_accept_and_silent_server(tmp_path: Path, imds: tuple[Imds, HostileServer]) -> None:
     handler, server = imds
     out = tmp_path / "out.jsonl"
-    agent = start_agent(tmp_path, server)
+    agent = start_agent(tmp_path, server, {"SEFWD_IMDS_TIMEOUT": "500ms"})  # a loopback answer takes milliseconds
     try:
         wait_until(lambda: scheduled_records(out), 60, "the record of the first good document")
         # Held connections never answer, and new ones are never accepted (they sit in the backlog).
@@ -239,7 +242,9 @@ def test_an_exception_inside_the_cycle_is_logged_counted_and_survived(
         return serve(req) if handler.phase != "bad" else GOOD_1
 
     server.handler = hostile_compute
-    agent = start_agent(tmp_path, server, env={"SEFWD_IMDS_COMPUTE_REFRESH": "1s"})
+    # Every other poll cycle (0.5 s apart): a good cycle between two failed ones keeps the poller from
+    # backing off (failed cycles in a row lengthen its wait).
+    agent = start_agent(tmp_path, server, env={"SEFWD_IMDS_COMPUTE_REFRESH": "900ms"})
     out = tmp_path / "out.jsonl"
     try:
         wait_until(lambda: scheduled_records(out), 60, "the first good document")
@@ -272,7 +277,7 @@ def test_failing_instance_metadata_does_not_hold_up_polling(tmp_path: Path, imds
     server.handler = failing_compute
     # The identity refresh runs inside the poll cycle; it used to retry a failing compute for up to
     # 90 s, with no Scheduled Events poll meanwhile (a Spot eviction gives 30 s of notice).
-    agent = start_agent(tmp_path, server, env={"SEFWD_IMDS_COMPUTE_REFRESH": "1s"})
+    agent = start_agent(tmp_path, server, env={"SEFWD_IMDS_COMPUTE_REFRESH": "100ms"})  # every poll cycle
     out = tmp_path / "out.jsonl"
     try:
         wait_until(lambda: scheduled_records(out), 60, "the first good document")

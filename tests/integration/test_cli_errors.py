@@ -115,7 +115,8 @@ def test_ctrl_c_in_approve_against_unreachable_imds_says_what_it_waits_for_then_
     # PYTHONFAULTHANDLER: should it ever hang after Ctrl-C, a SIGABRT makes it print every thread's stack.
     proc = subprocess.Popen([sys.executable, "-m", "forwarder", "approve", "--config", str(config), "some-event-id"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**_env(), "PYTHONFAULTHANDLER": "1"}, cwd=str(ROOT), preexec_fn=_ctrl_c_as_in_a_terminal)
+                            env={**_env(), "PYTHONFAULTHANDLER": "1", "SEFWD_WAIT_NOTICE_AFTER": "0.3"}, cwd=str(ROOT),
+                            preexec_fn=_ctrl_c_as_in_a_terminal)  # the waiting line after 0.3 s, not 5 s
     err: list[str] = []
     reader = threading.Thread(target=lambda: err.extend(iter(proc.stderr.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()

@@ -247,7 +247,8 @@ def test_agent_status_and_metrics_count_what_a_filter_held_back(tmp_path):
                  'filter = { record_types = ["scheduledevent"], event_types = ["Reboot"] }\n')
         config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state", sinks=sinks,
                               extra='[telemetry]\nlisten = "127.0.0.1:0"\n')
-        agent = AgentProcess(config, tmp_path / "a.log")
+        # The status report within 100 ms of a change, not 5 s: the test reads its counts.
+        agent = AgentProcess(config, tmp_path / "a.log", env={"SEFWD_AGENT_STATUS_INTERVAL": "100ms"})
         try:
             freeze = emu.schedule(type="Freeze", resources=["vm-0"], start_after=600)
             reboot = emu.schedule(type="Reboot", resources=["vm-0"], start_after=600)

@@ -149,7 +149,8 @@ def test_damaged_database_is_set_aside_salvaged_and_the_loss_announced(tmp_path,
     state = tmp_path / "state"
     with Emulator(vms=["myVM"], rate_limit=None) as emu, WebhookReceiver(default=503) as rx:
         config = cfg(tmp_path, emu, rx, state)
-        agent = AgentProcess(config, tmp_path / "a1.log")
+        # No drain: the webhook refuses everything in this run (its records must stay undelivered).
+        agent = AgentProcess(config, tmp_path / "a1.log", env={"SEFWD_AGENT_DRAIN_TIMEOUT": "0s"})
         ids = [emu.schedule(type="Reboot", resources=["myVM"], start_after=600) for _ in range(12)]
         wait_until(lambda: len(of_type(read_jsonl(tmp_path / "out.jsonl"), "scheduledevent.scheduled")) >= 12, 60,
                    "records committed while the webhook is down")
@@ -263,7 +264,7 @@ def test_killed_deadletter_replay_loses_nothing(tmp_path):
         wait_until(lambda: store.dead_counts().get("hook", 0) >= 7, 60, "dead letters")
         assert agent.terminate() == 0
         dead = {d.record.id for d in store.dead_letters("hook")}
-        rx.set_policy(Reply(200, delay=1.0))
+        rx.set_policy(Reply(200, delay=0.5))  # slow enough to kill the replay half-way (4 answers, 2.5 s, left)
         rx.clear()
         env = {k: v for k, v in os.environ.items() if not k.startswith("SEFWD_")}
         env["PYTHONPATH"] = str(ROOT)
