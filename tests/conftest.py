@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -63,10 +64,12 @@ def examples(count: int) -> int:
 
 
 # -- parallel runs (pytest -n N, pytest-xdist) ----------------------------------------------------
-# Tests are handed to the workers one test function at a time (all parametrizations of a function
-# together, so a module-scoped fixture only they use is set up once), except that a file defining a
-# module- or class-scoped fixture stays on one worker. The files holding slow tests go first, then
-# the biggest, so that a long test never starts last and holds the run up alone at the end.
+# Tests are handed to the workers one unit at a time: a test function (all its parametrizations
+# together, so a module-scoped fixture only they use is set up once), or a whole file when it defines
+# a module- or class-scoped fixture. The longest units go first (longest-processing-time-first), so
+# that a long one never starts last and holds the run up alone at the end: their seconds come from
+# tests/durations.json, written by a run with SEFWD_RECORD_DURATIONS=1 (a unit it does not know counts
+# half a second per test). Stale figures only make the order less good, never a test wrong.
 
 def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
@@ -101,19 +104,58 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return ByFunctionOrSharingFile(config, log)
 
 
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+UNKNOWN_TEST_SECONDS = 0.5
+
+
+def _unit_of(nodeid: str) -> str:
+    """The unit the scheduler hands out: the whole file if it shares a fixture, else the test function."""
+    path = _file_of(nodeid)
+    return path if _shares_fixtures(path) else nodeid.split("[", 1)[0]
+
+
+def _recorded_durations() -> dict[str, float]:
+    try:
+        data = json.loads(DURATIONS.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return {str(k): float(v) for k, v in data.items() if isinstance(v, (int, float))} if isinstance(data, dict) else {}
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if not hasattr(config, "workerinput") or _random_order(config):  # a plain or random-order run keeps its order
         return
-    sizes: dict[str, int] = {}
-    slow: set[str] = set()
+    recorded = _recorded_durations()
+    functions: dict[str, int] = {}  # test function -> its items in this run
     for item in items:
-        path = _file_of(item.nodeid)
-        sizes[path] = sizes.get(path, 0) + 1
-        if item.get_closest_marker("slow") is not None:
-            slow.add(path)
-    # A stable sort: each file's tests stay together and in their order (random order included).
-    items.sort(key=lambda item: (_file_of(item.nodeid) not in slow, -sizes[_file_of(item.nodeid)]))
+        function = item.nodeid.split("[", 1)[0]
+        functions[function] = functions.get(function, 0) + 1
+    estimate: dict[str, float] = {}  # a unit's seconds: recorded per test function, summed over a file that is one unit
+    for function, count in functions.items():
+        unit = _unit_of(function)
+        estimate[unit] = estimate.get(unit, 0.0) + recorded.get(function, UNKNOWN_TEST_SECONDS * count)
+    # A stable sort: each unit's tests stay together and in their order.
+    items.sort(key=lambda item: -estimate[_unit_of(item.nodeid)])
+
+
+_measured: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With SEFWD_RECORD_DURATIONS=1, add up each test function's seconds (setup, call, teardown)."""
+    if os.environ.get("SEFWD_RECORD_DURATIONS") == "1":
+        function = report.nodeid.split("[", 1)[0]
+        _measured[function] = _measured.get(function, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With SEFWD_RECORD_DURATIONS=1, the controller (or a plain run) rewrites tests/durations.json: the
+    functions this run measured, the others as they were."""
+    if os.environ.get("SEFWD_RECORD_DURATIONS") != "1" or hasattr(session.config, "workerinput") or not _measured:
+        return
+    merged = _recorded_durations() | {k: round(v, 2) for k, v in _measured.items()}
+    DURATIONS.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n", encoding="utf-8")
 
 
 def _random_order(config: pytest.Config) -> bool:
