@@ -71,6 +71,34 @@ def examples(count: int) -> int:
 # tests/durations.json, written by a run with SEFWD_RECORD_DURATIONS=1 (a unit it does not know counts
 # half a second per test). Stale figures only make the order less good, never a test wrong.
 
+WORKERS_PER_CORE = 6  # most tests wait on processes and sockets, not on the CPU (2 cores: 12 workers)
+MAX_WORKERS = 24
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """The worker count of ``-n auto`` (the default, pyproject.toml's addopts): SEFWD_TEST_WORKERS if
+    set; none (this process) for a run of one test file or of named tests, where starting workers
+    costs more than it saves; else WORKERS_PER_CORE per core, at most MAX_WORKERS."""
+    if os.environ.get("SEFWD_TEST_WORKERS"):
+        return int(os.environ["SEFWD_TEST_WORKERS"])
+    named = [a for a in config.args if not Path(a.split("::", 1)[0]).is_dir()]
+    if named and len(named) == len(config.args) and len({a.split("::", 1)[0] for a in named}) == 1:
+        return 0
+    return min(MAX_WORKERS, WORKERS_PER_CORE * _cores())
+
+
+def _cores() -> int:
+    """The cores this process may use: its CPU affinity, and a container's CPU quota (cgroup v2 cpu.max)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
 def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
