@@ -320,8 +320,11 @@ scheduled = {{ command = ["{hook}"], at = "notbefore - 2m" }}
         emu.update(event_id, start_after=125)
         seen = wait_until(lambda: (tmp_path / f"env-{event_id}").is_file() and read_env(tmp_path / f"env-{event_id}"),
                           60, "the hook at NotBefore - 2m")
+        # The hook writes its file as it starts; its "ran" audit follows when it has finished (a stop
+        # before that leaves the row to run again at the next start, unaudited until then).
+        (ran,) = wait_until(lambda: audits(out, "ran", event_id), 60, "the hook's run audited")
         assert agent.terminate() == 0
-    ran_at = epoch(audits(out, "ran", event_id)[0]["time"])
+    ran_at = epoch(ran["time"])
     assert ran_at >= epoch(seen["SEFWD_EVENT_NOT_BEFORE"]) - 120 - 1
     assert [a["data"]["Reason"] for a in audits(out, "superseded", event_id)] == ["event_updated"]
 
