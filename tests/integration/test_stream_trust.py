@@ -268,6 +268,80 @@ def test_a_replayed_record_is_acted_on_once_across_restarts(recorder, tmp_path):
     assert [r["path"] for r in recorder.requests] == ["/WestNO_0/approvals"]
 
 
+# A process holding a claim in the replay cache: it claims the key, says so, and holds it until its
+# stdin closes or it is killed; it never settles (as a process killed between claiming and sending).
+_CLAIMER = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from seen_records import SeenRecords
+assert SeenRecords(Path(sys.argv[2]), retention=9000).claim(sys.argv[3])
+print("claimed", flush=True)
+sys.stdin.read()
+"""
+
+
+def _claimer(tmp_path: Path, key: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", _CLAIMER, str(Path(pipeline.__file__).parent),
+                             str(tmp_path / "seen-records.db"), key],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "claimed"
+    return proc
+
+
+def test_an_approval_cut_short_by_a_kill_is_sent_by_the_next_copy_of_the_record(recorder, tmp_path):
+    """The consumer claims a record in its replay cache, then is killed before the approval went out:
+    the redelivered record must be acted on (the claim's owner is gone), not answered "replayed"
+    for an approval that was never sent; once acted on, it is a replay again, also after a restart."""
+    template = f"http://127.0.0.1:{recorder.port}/{{vm_name}}/approvals"
+    rec = record("Reboot", "User", -1, resources=["WestNO_0"], seen_by="WestNO_0")
+    killed = _claimer(tmp_path, f"{resource_id('WestNO_0').lower()}|{rec['id']}")
+    killed.kill()
+    killed.wait(30)
+    assert recorder.requests == []
+    restarted = pipeline.RemoteApprover(settings(template, tmp_path))
+    assert restarted.handle(rec)["decision"] == "approved"
+    assert [r["path"] for r in recorder.requests] == ["/WestNO_0/approvals"]
+    assert restarted.handle(json.loads(json.dumps(rec)))["decision"] == "replayed"
+    restarted.seen.close()
+    again = pipeline.RemoteApprover(settings(template, tmp_path))
+    assert again.handle(json.loads(json.dumps(rec)))["decision"] == "replayed"
+    assert len(recorder.requests) == 1
+
+
+def test_a_claim_held_by_a_live_process_is_a_replay_until_that_process_is_gone(recorder, tmp_path):
+    """Two consumers sharing the cache: while one is sending (its claim pending, its process alive)
+    the other's copy answers "replayed"; if the first dies without an answer, the next copy acts."""
+    template = f"http://127.0.0.1:{recorder.port}/{{vm_name}}/approvals"
+    rec = record("Reboot", "User", -1, resources=["WestNO_0"], seen_by="WestNO_0")
+    holder = _claimer(tmp_path, f"{resource_id('WestNO_0').lower()}|{rec['id']}")
+    other = pipeline.RemoteApprover(settings(template, tmp_path))
+    try:
+        assert other.handle(rec)["decision"] == "replayed"
+        assert recorder.requests == []
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()  # the holder exits without settling
+        holder.wait(30)
+    assert other.handle(json.loads(json.dumps(rec)))["decision"] == "approved"
+    assert len(recorder.requests) == 1
+
+
+def test_a_replay_cache_from_before_pending_claims_keeps_its_keys_as_acted_on(tmp_path):
+    import sqlite3
+
+    from seen_records import SeenRecords
+
+    path = tmp_path / "seen-records.db"
+    with sqlite3.connect(path) as db:  # the file as the previous version wrote it
+        db.execute("CREATE TABLE seen (key TEXT PRIMARY KEY, at REAL NOT NULL)")
+        db.execute("INSERT INTO seen VALUES ('vm|old-record', ?)", (datetime.now(timezone.utc).timestamp(),))
+    seen = SeenRecords(path, retention=9000)
+    assert not seen.claim("vm|old-record")
+    assert seen.claim("vm|new-record") and not seen.claim("vm|new-record")
+    seen.close()
+
+
 def test_the_event_hubs_trigger_acts_only_on_authenticated_records(recorder, tmp_path, monkeypatch):
     """The Function's own Event Hubs binding (function_app.sefwd_eventhub) with bodies as the hub
     delivers them: a sender with Data Sender rights but without WestNO_0's key gets nothing sent."""

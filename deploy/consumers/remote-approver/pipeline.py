@@ -324,10 +324,18 @@ class RemoteApprover:
         if self.settings.dry_run:
             log.info("DRY_RUN: would approve %s (%s) via %s %s", data.get("EventId"), reason, self.route.name,
                      delivery.where)
+            self.seen.settle(seen_key)
             outcome["decision"] = "dry_run"
             return outcome
-        answer = delivery.send(str(data["EventId"]), f"{reason} (record {record.get('id')})")
-        if not answer.get("final", True):
+        try:
+            answer = delivery.send(str(data["EventId"]), f"{reason} (record {record.get('id')})")
+        except BaseException:  # a bug or an interruption: the claim must not outlive it in this process
+            self.deduper.release(key)
+            self.seen.release(seen_key)
+            raise
+        if answer.get("final", True):
+            self.seen.settle(seen_key)  # acted on for good (a kill before this line: the next copy takes over)
+        else:
             # Unreachable, throttled or 5xx after every attempt: forget the keys so a redelivery or
             # the VM's next record tries again. The event still proceeds at NotBefore.
             self.deduper.release(key)
