@@ -169,6 +169,7 @@ if [ -d "$SOURCE" ]; then
     (cd "$SOURCE" && tar --exclude=.git --exclude=.venv --exclude=venv --exclude=node_modules \
         --exclude=__pycache__ --exclude='*.egg-info' --exclude=./build --exclude=./dist \
         --exclude=.pytest_cache --exclude=.mypy_cache --exclude=.ruff_cache --exclude=.hypothesis \
+        --exclude=./benchmarks/results/tmp \
         -cf - .) | (cd "$WORK/src" && tar -xf -)
     REQUIREMENT="$WORK/src$EXTRAS_SPEC"
 elif [ -f "$SOURCE" ]; then
