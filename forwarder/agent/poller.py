@@ -372,7 +372,11 @@ class Poller:
             self.drain_inbox()  # audits that arrived while we waited go before the next document
         wait = self.poll_once()
         if self.on_document is not None:
-            self.on_document(self.current)
+            try:
+                self.on_document(self.current)
+            except Exception as exc:  # noqa: BLE001 - a listener (the maintenance probe) must not cost the
+                # cycle its heartbeat, audits and identity refresh: counted and logged as a cycle error
+                self._count_cycle_error(exc)
         self.drain_inbox(spool=False)  # what the poll's own approvals queued, without a disk look
         now = self._mono()
         if now >= self._next_heartbeat:
@@ -383,14 +387,18 @@ class Poller:
             self.refresh_identity()
         return wait
 
-    def _cycle_failed(self, exc: Exception, in_a_row: int) -> float:
-        """Log an unexpected exception once per minute per kind and place, count it, back off."""
+    def _count_cycle_error(self, exc: Exception) -> None:
+        """Count an unexpected exception and log it once per minute per kind and place."""
         self.stats.cycle_errors += 1
         frames = traceback.extract_tb(exc.__traceback__)
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
         self._errors.log(logging.ERROR, f"cycle:{type(exc).__name__}:{where}",
                          "unexpected error in the poll cycle (counted as cycle_errors; polling goes on): %s",
                          "".join(traceback.format_exception(exc)).rstrip())
+
+    def _cycle_failed(self, exc: Exception, in_a_row: int) -> float:
+        """An exception ended the cycle: count and log it, back off."""
+        self._count_cycle_error(exc)
         self._notify()  # whoever waits for polls must not wait for a cycle that will not come
         return max(self.poll_interval, self._backoff.delay(in_a_row - 1, self._rng))
 
