@@ -266,8 +266,9 @@ class ActionRunner:
                     FAILED, "outcome_unknown", action, state=rows.FAILED, **fields,
                     Detail="the approval may have been posted before the agent stopped; the event has left the document"))
                 return
-            log.info("action %d: the approval posted before the stop did not take effect (the event is still "
-                     "Scheduled); checking again", action.id)
+            # An earlier POST (a failed one retried here, or one a stop or crash cut short) left no trace.
+            log.info("action %d: an earlier approval POST did not take effect (the event is still Scheduled); "
+                     "checking again", action.id)
         refusal = self._recheck(action, current)
         if refusal is not None:
             outcome, reason, detail = refusal
