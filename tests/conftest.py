@@ -32,7 +32,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     import compileall
 
-    compileall.compile_dir(str(ROOT / "forwarder"), quiet=2)
+    for package in ("forwarder", "sinks", "benchmarks", "deploy"):  # what the agents and tools the tests start import
+        compileall.compile_dir(str(ROOT / package), quiet=2)
     try:
         from _pytest.assertion.rewrite import (PYC_TAIL, _read_pyc, _rewrite_test, _write_pyc, assertstate_key,
                                                get_cache_dir, try_makedirs)
