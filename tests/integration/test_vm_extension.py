@@ -493,6 +493,10 @@ class Vm:
         stub.write_text(GA_STUB)
         stub.chmod(0o755)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SEFWD_", "ConfigSequence", "STUB_"))}
+        # The handler's `#!/usr/bin/env python3` finds the interpreter itself (the one under the venv: no
+        # package of ours), not a version manager's shim (pyenv's starts ~20 processes per command).
+        env["PATH"] = os.pathsep.join([str(Path(getattr(sys, "_base_executable", sys.executable)).parent),
+                                       env.get("PATH", os.defpath)])
         env.update({
             "SEFWD_EXT_ROOT": str(self.root), "SEFWD_EXT_WAAGENT_DIR": str(self.waagent_dir),
             "SEFWD_EXT_SERVICE_CMD": str(stub), "SEFWD_EXT_SEFWD_CMD": f"{sys.executable} -m forwarder",
