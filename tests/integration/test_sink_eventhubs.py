@@ -185,7 +185,9 @@ def test_one_producer_connection_serves_many_sends(tmp_path, peer, monkeypatch):
 
 
 def test_peer_down_is_retried_and_the_sink_recovers(tmp_path, peer, monkeypatch):
-    sink = make_sink(tmp_path, peer, monkeypatch)
+    # A 5 s send timeout: the SDK's own reconnect attempts against the refused port must end as a
+    # connection error, not as our timeout (under load they took over the 2 s default of make_sink).
+    sink = make_sink(tmp_path, peer, monkeypatch, timeout="5s")
     try:
         assert sink.send([scheduled("E-1", 1)]) == Ok()
         peer.down()
