@@ -179,11 +179,13 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """With SEFWD_RECORD_DURATIONS=1, the controller (or a plain run) rewrites tests/durations.json: the
-    functions this run measured, the others as they were."""
+    """With SEFWD_RECORD_DURATIONS=1, the controller (or a plain run) rewrites tests/durations.json: each
+    function's longest time seen (a first run on a fresh checkout, where mypy has no cache, counts: a
+    test that is only sometimes long must still start early). Delete the file to start over."""
     if os.environ.get("SEFWD_RECORD_DURATIONS") != "1" or hasattr(session.config, "workerinput") or not _measured:
         return
-    merged = _recorded_durations() | {k: round(v, 2) for k, v in _measured.items()}
+    recorded = _recorded_durations()
+    merged = recorded | {k: round(max(v, recorded.get(k, 0.0)), 2) for k, v in _measured.items()}
     DURATIONS.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n", encoding="utf-8")
 
 
