@@ -72,7 +72,8 @@ def resolve_identity(imds: ImdsClient, state: SavedState) -> VmIdentity:
 def _report_state_changes(reporter: StatusReporter, tracker: MaintenanceTracker
                           ) -> Callable[[MaintenanceView, datetime], None]:
     """A maintenance listener: a new probe state (or event) is in the status report at once, so
-    `sefwd status` shows a maintenance when the probe does, not up to the reporter's 5 s later."""
+    `sefwd status` shows a maintenance when the probe does, not up to the reporter's 5 s later. It
+    only pokes the reporter: the write happens on the reporter's thread, not the poller's."""
 
     def key(view: MaintenanceView) -> tuple[str, str | None]:
         return view.state, view.event.event_id if view.event else None
@@ -82,7 +83,7 @@ def _report_state_changes(reporter: StatusReporter, tracker: MaintenanceTracker
     def listener(view: MaintenanceView, now: datetime) -> None:
         if key(view) != last[0]:
             last[0] = key(view)
-            reporter.write()
+            reporter.poke()
 
     return listener
 

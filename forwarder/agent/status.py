@@ -49,13 +49,23 @@ class StatusReporter:
         self._written: dict[str, Any] | None = None
         self._written_at = 0.0
         self._errors = RateLimitedLog(log)
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="status", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    def poke(self) -> None:
+        """Look for a change now rather than at the next interval (from any thread; the write is this
+        reporter's, off the caller's thread)."""
+        self._wake.set()
+
     def _run(self) -> None:
-        while not self._stop.wait(self._interval):
+        while not self._stop.is_set():
+            if self._wake.wait(self._interval):
+                self._wake.clear()
+            if self._stop.is_set():
+                break
             try:
                 data = self._snapshot()
                 if _steady(data) != self._written or time.monotonic() - self._written_at >= self._refresh:

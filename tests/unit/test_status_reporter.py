@@ -50,3 +50,31 @@ def test_rewritten_on_change_not_on_every_poll_but_refreshed(tmp_path: Path) -> 
         wait_for(lambda: written()["imds"]["polls"] == 50, 5)
     finally:
         stop.set()
+
+
+def test_a_poke_writes_a_change_at_once_on_the_reporters_thread(tmp_path: Path) -> None:
+    """The maintenance probe pokes the reporter when its state changes: the report shows it without
+    waiting out the interval, and the write is the reporter thread's, not the poker's."""
+    state = {"maintenance": {"state": "none"}}
+    writers: list[str] = []
+
+    def snapshot() -> dict[str, Any]:
+        writers.append(threading.current_thread().name)
+        return orjson.loads(orjson.dumps(state))
+
+    stop = threading.Event()
+    reporter = StatusReporter(Store.open(tmp_path), snapshot, stop, interval=3600, refresh=3600)
+    reader = Store.open(tmp_path)
+    reporter.write()
+    reporter.start()
+    try:
+        state["maintenance"]["state"] = "maintenance"
+        reporter.poke()
+        deadline = time.monotonic() + 10
+        while orjson.loads(reader.meta()[STATUS_KEY])["maintenance"]["state"] != "maintenance":
+            assert time.monotonic() < deadline, "the poke was not written within 10 s (the interval is an hour)"
+            time.sleep(0.01)
+        assert writers[1:] == ["status"]  # after the first, direct write: only the reporter's thread
+    finally:
+        stop.set()
+        reporter.poke()
