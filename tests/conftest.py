@@ -47,6 +47,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
             source_hash, code = _rewrite_test(source, config)
             _write_pyc(state, code, source_hash, pyc)
 
+
 # Hypothesis profiles, chosen by SEFWD_HYPOTHESIS: "ci" (the default, what the README's test command
 # and CI run) gives every property the example count its test asks for; "dev" (the inner loop) a tenth.
 # A test with its own count writes `@settings(max_examples=examples(2000))`.
@@ -104,6 +105,11 @@ def _file_of(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+def _function_of(nodeid: str) -> str:
+    """The test function: the node id less its parametrization."""
+    return nodeid.split("[", 1)[0]
+
+
 _SHARES_FIXTURES: dict[str, bool] = {}
 
 
@@ -126,8 +132,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
     class ByFunctionOrSharingFile(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            path = _file_of(nodeid)
-            return path if _shares_fixtures(path) else nodeid.split("[", 1)[0]
+            return _unit_of(nodeid)
 
     config.option.loadscopereorder = False  # the workers' collection order already says what goes first
     return ByFunctionOrSharingFile(config, log)
@@ -140,7 +145,7 @@ UNKNOWN_TEST_SECONDS = 0.5
 def _unit_of(nodeid: str) -> str:
     """The unit the scheduler hands out: the whole file if it shares a fixture, else the test function."""
     path = _file_of(nodeid)
-    return path if _shares_fixtures(path) else nodeid.split("[", 1)[0]
+    return path if _shares_fixtures(path) else _function_of(nodeid)
 
 
 def _recorded_durations() -> dict[str, float]:
@@ -158,7 +163,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     recorded = _recorded_durations()
     functions: dict[str, int] = {}  # test function -> its items in this run
     for item in items:
-        function = item.nodeid.split("[", 1)[0]
+        function = _function_of(item.nodeid)
         functions[function] = functions.get(function, 0) + 1
     estimate: dict[str, float] = {}  # a unit's seconds: recorded per test function, summed over a file that is one unit
     for function, count in functions.items():
@@ -174,7 +179,7 @@ _measured: dict[str, float] = {}
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """With SEFWD_RECORD_DURATIONS=1, add up each test function's seconds (setup, call, teardown)."""
     if os.environ.get("SEFWD_RECORD_DURATIONS") == "1":
-        function = report.nodeid.split("[", 1)[0]
+        function = _function_of(report.nodeid)
         _measured[function] = _measured.get(function, 0.0) + report.duration
 
 
