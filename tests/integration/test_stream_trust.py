@@ -342,6 +342,30 @@ def test_a_replay_cache_from_before_pending_claims_keeps_its_keys_as_acted_on(tm
     seen.close()
 
 
+def test_a_damaged_owner_in_the_replay_cache_is_taken_over_not_trusted_or_raised(tmp_path):
+    """Owner values no live process on this host can have (a damaged or hand-edited file): the claim is
+    taken over; a value that names no host of ours is waited out for the lease, then taken over."""
+    import socket
+    import sqlite3
+
+    from seen_records import SeenRecords
+
+    path = tmp_path / "seen-records.db"
+    seen = SeenRecords(path, retention=9000, clock=lambda: 1000.0, lease=600)
+    host = socket.gethostname()
+    owners = {"huge": f"{host}|{10**30}|1", "zero": f"{host}|0|1", "text": f"{host}|abc|", "empty": "",
+              "pipes": "||||", "elsewhere": "another-host|1|1"}
+    with sqlite3.connect(path) as db:
+        db.executemany("INSERT INTO seen (key, at, owner) VALUES (?, ?, ?)",
+                       [(f"vm|{name}", 900.0, owner) for name, owner in owners.items()])
+    taken = {name: seen.claim(f"vm|{name}") for name in owners}
+    assert taken == {"huge": True, "zero": True, "text": False, "empty": False, "pipes": False, "elsewhere": False}
+    later = SeenRecords(path, retention=9000, clock=lambda: 1000.0 + 600, lease=600)
+    assert [later.claim(f"vm|{name}") for name in ("text", "empty", "pipes", "elsewhere")] == [True] * 4
+    seen.close()
+    later.close()
+
+
 def test_the_event_hubs_trigger_acts_only_on_authenticated_records(recorder, tmp_path, monkeypatch):
     """The Function's own Event Hubs binding (function_app.sefwd_eventhub) with bodies as the hub
     delivers them: a sender with Data Sender rights but without WestNO_0's key gets nothing sent."""

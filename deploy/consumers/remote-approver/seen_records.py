@@ -36,9 +36,11 @@ def _started(pid: int) -> str:
 
 
 def _alive(pid: int) -> bool:
+    if pid <= 0:  # 0 would signal our own process group: a damaged owner, not a process
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # no such process; a pid no process can have
         return False
     except PermissionError:  # someone else's process: alive
         return True
