@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from forwarder.agent.maintenance import MaintenancePolicy, MaintenanceTracker, StateFile, default_state_file
-from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler, host_port_text
+from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler
+from forwarder.common.listen import host_port_text
 from forwarder.errors import ConfigError
 from forwarder.records import utcnow
 

@@ -32,7 +32,8 @@ import orjson
 
 from forwarder import __version__
 from forwarder.errors import ConfigError, ImdsError, ImdsTimeout
-from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler, host_port_text
+from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler
+from forwarder.common.listen import host_port_text
 from forwarder.sinkapi import Ok, Record, Reject, Result, Sink
 
 if TYPE_CHECKING:

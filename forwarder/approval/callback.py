@@ -26,7 +26,8 @@ from urllib.parse import urlsplit
 from forwarder.approval.seen_ids import ReplayCache
 from forwarder.approval.settings import CallbackSettings
 from forwarder.errors import ConfigError, ForwarderError, StateError
-from forwarder.common.http_server import HttpServer, QuietHandler, client_key, host_port_text, tls_server_context
+from forwarder.common.http_server import HttpServer, QuietHandler, client_key
+from forwarder.common.listen import host_port_text, tls_server_context
 from forwarder.common.logs import RateLimitedLog
 from forwarder.common.signing import SignatureError, verify
 

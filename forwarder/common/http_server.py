@@ -1,8 +1,9 @@
 """The one small HTTP-server base of the agent's servers: approval callback, telemetry, maintenance probe, emulator.
 
-What they share lives here, once: the ``host:port`` listen parser, the address family taken from
+What they share lives here, once (the ``host:port`` listen parser and the TLS context, which a config
+check needs without a server, are in forwarder.common.listen): the address family taken from
 the parsed host, binding without a reverse-DNS lookup, the loopback decision (forwarder.common.loopback,
-on resolved addresses), the TLS context (certificate and key, TLS 1.2 at least), one quiet
+on resolved addresses), one quiet
 ``log_message`` (the module's logger, at debug), daemon threads, and start/stop in a background
 thread, and the connection limits every listener has (``ConnectionLimits``: total and
 per-client connection caps, a deadline for each request's headers, an idle timeout per read,
@@ -25,15 +26,14 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
-from forwarder.common.listen import host_port_text, parse_listen, tls_server_context
+from forwarder.common.listen import host_port_text
 from forwarder.common.logs import RateLimitedLog
 from forwarder.common.loopback import is_loopback
 
 if TYPE_CHECKING:
     import ssl
 
-__all__ = ["DEFAULT_LIMITS", "ConnectionLimits", "HttpServer", "QuietHandler", "address_family", "client_key",
-           "host_port_text", "parse_listen", "tls_server_context"]
+__all__ = ["DEFAULT_LIMITS", "ConnectionLimits", "HttpServer", "QuietHandler", "address_family", "client_key"]
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 import orjson
 
-from forwarder.common.http_server import HttpServer, QuietHandler, host_port_text, tls_server_context
+from forwarder.common.http_server import HttpServer, QuietHandler
+from forwarder.common.listen import host_port_text, tls_server_context
 from forwarder.emulator.model import SE_VERSIONS, VmProfile
 
 if TYPE_CHECKING:

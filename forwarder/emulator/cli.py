@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             problems.append(f"--{key.replace('_', '-')}: {exc}")
     if args.arm_tls:
-        from forwarder.common.http_server import tls_server_context
+        from forwarder.common.listen import tls_server_context
 
         try:
             tls_server_context(*args.arm_tls)

@@ -25,7 +25,8 @@ from forwarder.emulator.model import (
 )
 from forwarder.emulator.scenario import Scenario, load_scenario
 from forwarder.errors import ConfigError
-from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler, host_port_text
+from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler
+from forwarder.common.listen import host_port_text
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import trustme
 
-from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler, address_family, tls_server_context
+from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler, address_family
+from forwarder.common.listen import tls_server_context
 from tests.agent import wait_until
 
 
