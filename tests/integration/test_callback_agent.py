@@ -63,16 +63,22 @@ def count_audits(out) -> int:
     return len([r for r in read_jsonl(out) if r["type"].startswith("approval.")])
 
 
+def post_refused(agent, body: bytes, headers: dict[str, str], status: int, reason: str) -> None:
+    """A request the callback must refuse: its answer says why, and nothing is posted to IMDS."""
+    posts = len(agent["emu"].stats()["start_requests"])
+    answer = requests.post(agent["url"], data=body, headers=headers, timeout=10)
+    assert answer.status_code == status, answer.text
+    assert answer.json()["reason"].startswith(reason), answer.text
+    assert len(agent["emu"].stats()["start_requests"]) == posts, "no IMDS POST for a refused request"
+
+
 def refused(agent, body: bytes, headers: dict[str, str], status: int, reason: str, *, repeat: bool = False) -> None:
     """A refusal is audited at once when it is the first of its reason from this client in the
     window; a ``repeat`` is only counted, into one record at the end of the window (or at stop)."""
     before = count_audits(agent["out"])
     posts = len(agent["emu"].stats()["start_requests"])
-    answer = requests.post(agent["url"], data=body, headers=headers, timeout=10)
-    assert answer.status_code == status, answer.text
-    assert answer.json()["reason"].startswith(reason), answer.text
+    post_refused(agent, body, headers, status, reason)
     if repeat:
-        assert len(agent["emu"].stats()["start_requests"]) == posts, "no IMDS POST for a refused request"
         return
     new = wait_until(lambda: audits(agent["out"], before), 30, f"audit of {reason}")
     assert [a["type"] for a in new] == ["approval.refused"]
@@ -93,10 +99,7 @@ def test_bad_requests_are_refused_audited_and_never_posted(agent):
     def refused_now(body: bytes, headers: dict[str, str], status: int, reason: str, *, repeat: bool = False) -> None:
         # Every request is answered at once; their audits are awaited together below (each would
         # otherwise wait for the poll turn that commits it: 0.5 s apiece).
-        answer = requests.post(agent["url"], data=body, headers=headers, timeout=10)
-        assert answer.status_code == status, answer.text
-        assert answer.json()["reason"].startswith(reason), answer.text
-        assert len(emu.stats()["start_requests"]) == posts, "no IMDS POST for a refused request"
+        post_refused(agent, body, headers, status, reason)
         if not repeat:
             audited.append(reason)
 
