@@ -5,6 +5,7 @@ import argparse
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import signal
 import sys
@@ -34,10 +35,12 @@ WAIT_NOTICE_AFTER = 5.0
 
 
 def _wait_notice_after() -> float:
+    """$SEFWD_WAIT_NOTICE_AFTER when it is a finite number of seconds (negative counts as 0), else 5."""
     try:
-        return max(0.0, float(os.environ["SEFWD_WAIT_NOTICE_AFTER"]))
+        value = float(os.environ["SEFWD_WAIT_NOTICE_AFTER"])
     except (KeyError, ValueError):
         return WAIT_NOTICE_AFTER
+    return WAIT_NOTICE_AFTER if math.isnan(value) or value == math.inf else max(0.0, value)
 
 EXIT_OK = 0
 EXIT_FAILURE = 1

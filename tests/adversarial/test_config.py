@@ -49,7 +49,7 @@ def nest(path: str, value: Any) -> tuple[dict[str, Any], str]:
 
 DURATION_KEYS = [
     "imds.poll_interval", "imds.timeout", "imds.first_call_timeout", "imds.compute_refresh",
-    "agent.heartbeat", "agent.drain_timeout", "delivery.retry_initial", "delivery.retry_max",
+    "agent.heartbeat", "agent.drain_timeout", "agent.status_interval", "delivery.retry_initial", "delivery.retry_max",
     "delivery.retry_after_cap", "telemetry.unhealthy_after", "telemetry.export_interval",
     "approval.hook_timeout", "approval.callback.client_timeout", "approval.callback.tolerance",
     "approval.rules.delay", "sinks.timeout",
@@ -96,6 +96,7 @@ def test_hostile_value_is_refused_and_named(key, value):
     ("journal.max_size", "65GiB"), ("approval.callback.tolerance", "2h"),
     ("approval.rules.duration_max", 8 * 86400), ("agent.heartbeat", "1ms"), ("delivery.retry_initial", "1ms"),
     ("delivery.retry_max", "10ms"), ("sinks.timeout", "11m"), ("approval.callback.max_body", "2MiB"),
+    ("agent.status_interval", "0s"), ("agent.status_interval", "10ms"), ("agent.status_interval", "6m"),
 ])
 def test_values_beyond_the_documented_maximum(key, value):
     data, label = nest(key, value)

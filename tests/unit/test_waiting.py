@@ -48,3 +48,15 @@ def test_ctrl_c_and_sigterm_are_left_to_the_main_thread():
                           "the notice thread's signal mask")
         assert mask & (1 << (signal.SIGINT - 1)) and mask & (1 << (signal.SIGTERM - 1))
         assert not _blocked_signals(threading.main_thread().native_id) & (1 << (signal.SIGINT - 1))
+
+
+def test_the_wait_notice_delay_from_the_environment_takes_only_finite_seconds(monkeypatch) -> None:
+    from forwarder.agent.cli import WAIT_NOTICE_AFTER, _wait_notice_after
+
+    for value, expected in [("0.3", 0.3), ("0", 0.0), ("-5", 0.0), ("nan", WAIT_NOTICE_AFTER),
+                            ("inf", WAIT_NOTICE_AFTER), ("-inf", 0.0), ("soon", WAIT_NOTICE_AFTER),
+                            ("", WAIT_NOTICE_AFTER), ("1e400", WAIT_NOTICE_AFTER)]:
+        monkeypatch.setenv("SEFWD_WAIT_NOTICE_AFTER", value)
+        assert _wait_notice_after() == expected, value
+    monkeypatch.delenv("SEFWD_WAIT_NOTICE_AFTER")
+    assert _wait_notice_after() == WAIT_NOTICE_AFTER
