@@ -92,7 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("--pretty", action="store_true", default=None, help="human-readable lines (default on a terminal)")
     fmt.add_argument("--json", dest="pretty", action="store_false", help="one JSON record per line")
     p.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds (default 120)")
-    p.add_argument("--time-scale", type=float, default=1.0, metavar="F",
+    from forwarder.emulator.cli import time_scale
+
+    p.add_argument("--time-scale", type=time_scale, default=1.0, metavar="F",
                    help="multiply every real-time delay of the scenario (default 1; 0.5 runs twice as fast)")
 
     p = _command(sub, "run", "run the agent (the service)",

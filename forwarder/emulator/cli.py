@@ -19,6 +19,17 @@ log = logging.getLogger(__name__)
 DEFAULT_LISTEN = "127.0.0.1:8169"
 
 
+def time_scale(text: str) -> float:
+    """``--time-scale``: a finite number, 0 or more (0: every real-time delay at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text!r}")
+    return value
+
+
 def register(subparsers: Any, prog: str | None = None) -> None:
     """Add the ``emulator`` subcommand (and its ``ctl`` client) to an argparse subparsers object;
     ``prog`` names the command in usage lines (``python -m forwarder.emulator``)."""
@@ -48,7 +59,7 @@ def register(subparsers: Any, prog: str | None = None) -> None:
                    help="an emulated VM (repeatable; the first is the default VM at the root prefix)")
     p.add_argument("--rate-limit", type=float, default=5, metavar="N",
                    help="requests per second per VM before 429 (default 5; 0 disables)")
-    p.add_argument("--time-scale", type=float, default=1.0, metavar="F",
+    p.add_argument("--time-scale", type=time_scale, default=1.0, metavar="F",
                    help="multiply every real-time delay of the timeline (0.5 runs twice as fast)")
     p.add_argument("--first-call-delay", default=None, metavar="DURATION",
                    help='delay of the first Scheduled Events call per VM (real IMDS: up to "2m"; default 0)')

@@ -142,3 +142,10 @@ def test_ctrl_c_in_approve_against_unreachable_imds_says_what_it_waits_for_then_
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert stderr.splitlines()[-1] == "sefwd: interrupted (Ctrl-C)"
     assert proc.stdout is not None and proc.stdout.read() == ""
+
+
+def test_a_time_scale_that_is_no_finite_non_negative_number_is_a_usage_error() -> None:
+    """`--time-scale` of `sefwd demo` and `sefwd emulator`: a clear usage error (exit 2), not a traceback."""
+    for command, value in (("demo", "-1"), ("demo", "nan"), ("emulator", "inf"), ("emulator", "fast")):
+        done = sefwd(command, "--time-scale", value)
+        assert done.returncode == 2 and "--time-scale" in done.stderr and "Traceback" not in done.stderr, done.stderr
