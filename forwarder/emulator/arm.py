@@ -11,10 +11,27 @@ REST spec (Azure/azure-rest-api-specs, specification/maintenance, ``ScheduledEve
       "message", "details": [{"target": EventId, "code", "message"}]}} when some could not be acknowledged
 
 resourceType is virtualMachines, virtualMachineScaleSets or availabilitySets (the spec has no
-scale-set-instance form: an instance's events are acknowledged on its scale set). Served on its own
+scale-set-instance form: an instance's events are acknowledged on its scale set, where ARM accepts an event of
+any member). Served on its own
 HTTPS listener (azure-core sends bearer tokens over TLS only); a request needs a bearer token the
 emulator's own token endpoint issued for Azure Resource Manager. An acknowledgement goes through
 the same engine path as a ``StartRequests`` POST from the VM that the resource maps to.
+
+The Maintenance provider has no GET for scheduled events (the spec's only operations are the two
+POSTs above); the platform's own record of an event is read from Azure Resource Graph, table
+``maintenanceresources``, type ``microsoft.maintenance/scheduledevents`` (spec: specification/resourcegraph,
+``Resources``, 2022-10-01)::
+
+    POST /providers/Microsoft.ResourceGraph/resources?api-version=2022-10-01
+      body {"subscriptions": [sub], "query": "maintenanceresources | where type =~ '…' | where id =~ '…' | …",
+            "options": {"resultFormat": "objectArray"}}
+      200 {"totalRecords", "count", "resultTruncated": "false", "data": [{"id", "name", "type", "subscriptionId",
+           "resourceGroup", "properties": {the IMDS fields}}], "facets": []}
+
+One row per event and per resource (VM or scale set) a VM named in its Resources belongs to, ``id`` =
+``{resource}/providers/microsoft.maintenance/scheduledevents/{EventId}``; rows the caller has no grant
+on are left out, as Resource Graph does. The emulator evaluates only the ``where`` clauses of that form
+(``type =~``, ``id =~``, ``name =~``) and answers 400 ``BadRequest`` for any other query.
 """
 from __future__ import annotations
 
@@ -52,6 +69,12 @@ MAX_BODY = 64 * 1024
 _PATH = re.compile(r"^/subscriptions/(?P<sub>[^/]+)/resourcegroups/(?P<rg>[^/]+)/providers/microsoft\.compute/"
                    r"(?P<resource>.+?)/providers/microsoft\.maintenance/scheduledevents"
                    r"(?:/(?P<event>[^/]+)/acknowledge)?/?$", re.IGNORECASE)
+_GRAPH_PATH = re.compile(r"^/providers/microsoft\.resourcegraph/resources/?$", re.IGNORECASE)
+GRAPH_VERSIONS = ("2021-03-01", "2022-10-01", "2024-04-01")
+EVENT_TYPE = "microsoft.maintenance/scheduledevents"
+# The one query form the emulator evaluates: a table and `where <column> =~ '<literal>'` clauses.
+_GRAPH_WHERE = re.compile(r"\|\s*where\s+(?P<column>type|id|name)\s*=~\s*'(?P<value>(?:[^'\\]|\\.)*)'\s*", re.IGNORECASE)
+_GRAPH_PROJECT = re.compile(r"\|\s*project\s+[A-Za-z_, ]+\s*$", re.IGNORECASE)
 _WWW_AUTHENTICATE = ('Bearer authorization_uri="https://login.microsoftonline.com/common", error="invalid_token", '
                      'error_description="The authentication failed because of missing or invalid \'Authorization\' header."')
 
@@ -190,6 +213,9 @@ class _ArmHandler(QuietHandler):
         identity = self._authenticated()
         if identity is None:
             return
+        if _GRAPH_PATH.match(url.path):
+            self._graph(method, identity, body, dict(parse_qsl(url.query, keep_blank_values=True)))
+            return
         if match is None:
             self._fail(404, "NotFound", f"The requested path {url.path!r} is not an ARM route this emulator serves.")
             return
@@ -279,6 +305,67 @@ class _ArmHandler(QuietHandler):
             problem = platform.approve(vm, newest, [ev.id], None, via="arm")
         return problem
 
+    def _graph(self, method: str, identity: str, body: bytes | None, params: dict[str, str]) -> None:
+        """Resource Graph ``resources``: the ``maintenanceresources`` scheduled-event rows the query selects."""
+        if method != "POST":
+            self._fail(405, "MethodNotAllowed", f"The requested method {method} is not allowed here.",
+                       headers=[("Allow", "POST")])
+            return
+        if params.get("api-version") not in GRAPH_VERSIONS:
+            self._fail(400, "InvalidApiVersionParameter", f"The api-version '{params.get('api-version')}' is invalid. "
+                       f"The supported versions are '{','.join(GRAPH_VERSIONS)}'.")
+            return
+        try:
+            request = orjson.loads(body or b"")
+        except orjson.JSONDecodeError:
+            request = None
+        query = request.get("query") if isinstance(request, dict) else None
+        subscriptions = request.get("subscriptions", []) if isinstance(request, dict) else None
+        if not isinstance(query, str) or not isinstance(subscriptions, list):
+            self._fail(400, "BadRequest", "The request content is invalid: expected {\"query\": \"...\", \"subscriptions\": [...]}.")
+            return
+        table, _, rest = query.strip().partition("|")
+        clauses = []
+        rest = "|" + rest if rest else ""
+        while rest:
+            match = _GRAPH_WHERE.match(rest)
+            if match is None:
+                break
+            clauses.append((match["column"].lower(), match["value"].replace("\\'", "'").replace("\\\\", "\\").lower()))
+            rest = rest[match.end():]
+        if table.strip().lower() != "maintenanceresources" or (rest and not _GRAPH_PROJECT.match(rest)):
+            self._fail(400, "BadRequest", "Query is invalid: the emulator evaluates only `maintenanceresources | where "
+                       "type|id|name =~ '...'` (| project ...).")
+            return
+        wanted = {str(s).lower() for s in subscriptions}
+        rows = [row for row in self._maintenance_rows()
+                if (not wanted or row["subscriptionId"].lower() in wanted)
+                and self._granted(identity, row["id"].rpartition("/providers/")[0])
+                and all(str(row[column]).lower() == value for column, value in clauses)]
+        self._send(200, orjson.dumps({"totalRecords": len(rows), "count": len(rows), "resultTruncated": "false",
+                                      "data": rows, "facets": []}))
+
+    def _maintenance_rows(self) -> list[dict[str, Any]]:
+        """Every event as Resource Graph lists it: one row per ARM resource a VM it names belongs to."""
+        platform = self.server.emulator.platform
+        rows: dict[str, dict[str, Any]] = {}
+        with platform.lock:
+            for ev in platform.events.values():
+                properties = ev.render(SE_VERSIONS[-1])
+                for name in ev.resources:
+                    vm = platform.vms.get(name)
+                    if vm is None:
+                        continue
+                    parts = [unquote(p) for p in vm.resource_id.strip("/").split("/")]
+                    if not any(key[0] != "availabilitysets" for key in arm_keys(vm)):
+                        continue  # no VM or scale-set resource (events are published there, not on availability sets)
+                    base = "/".join(parts[:8])  # subscriptions/S/resourceGroups/G/providers/Microsoft.Compute/<type>/<name>
+                    row_id = f"/{base}/providers/microsoft.maintenance/scheduledevents/{ev.id}"
+                    rows.setdefault(row_id.lower(), {
+                        "id": row_id, "name": ev.id, "type": EVENT_TYPE, "subscriptionId": parts[1],
+                        "resourceGroup": parts[3].lower(), "properties": dict(properties)})
+        return list(rows.values())
+
     def _granted(self, identity: str, resource: str) -> bool:
         grants = self.server.emulator.arm_grants
         if grants is None:
@@ -334,4 +421,4 @@ class _ArmHandler(QuietHandler):
         return True
 
 
-__all__ = ["ACK_VERSIONS", "ARM_AUDIENCES", "ArmServer", "LIST_VERSIONS", "arm_keys"]
+__all__ = ["ACK_VERSIONS", "ARM_AUDIENCES", "ArmServer", "EVENT_TYPE", "GRAPH_VERSIONS", "LIST_VERSIONS", "arm_keys"]

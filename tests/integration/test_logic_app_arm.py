@@ -166,6 +166,27 @@ def test_a_genuine_record_through_the_logic_app_is_approved_once_on_its_own_vm(c
         assert [(p["via"], p["vm"]) for p in emu.stats()["start_requests"]] == [("arm", "vm-a"), ("arm", "ss_3")]
 
 
+def test_through_the_logic_app_one_scale_set_instance_cannot_start_anothers_event(certs, function_app_on_arm):
+    """The High weakness through the Logic App's branch: ss_0 signs, with its own key, a record that
+    claims ss_5's platform reboot names ss_0 and is user-initiated. The Function reads the event from
+    the platform (Resource Graph) before acknowledging on the scale set: nothing is acknowledged."""
+    with arm_emulator(certs, vms=[{"name": "ss_0", "vm_scale_set_name": "ss"},
+                                  {"name": "ss_5", "vm_scale_set_name": "ss"}]) as emu:
+        function_app_on_arm(emu)
+        vms = emu.stats()["vms"]
+        theirs = emu.schedule(resources=["ss_5"], source="Platform", type="Reboot", start_after=900)
+        outcome = through_the_workflow(scheduled(vms["ss_0"], theirs, ["ss_0"], source="User"))
+        assert outcome is not None and outcome["decision"] == "refused", outcome
+        assert (outcome["vm"], outcome["target"]) == (vms["ss_0"]["resourceId"], "virtualMachineScaleSets/ss")
+        assert event_status(emu, theirs) == "Scheduled" and emu.stats()["start_requests"] == []
+        assert not [r for r in emu.stats()["arm_requests"] if r["path"].endswith("/acknowledge")]
+        # ss_5's own record of its own event is confirmed by the platform and approved.
+        mine = emu.schedule(resources=["ss_5"], source="User", type="Reboot", start_after=900)
+        outcome = through_the_workflow(scheduled(vms["ss_5"], mine, ["ss_5"]))
+        assert outcome is not None and outcome["decision"] == "approved", outcome
+        assert event_status(emu, mine) == "Started" and event_status(emu, theirs) == "Scheduled"
+
+
 def test_the_branch_is_opt_in_and_never_builds_an_arm_request_itself():
     identity = {"vmId": "1", "name": "vm-a", "resourceId":
                 "/subscriptions/s/resourceGroups/rg/providers/Microsoft.Compute/virtualMachines/vm-a"}

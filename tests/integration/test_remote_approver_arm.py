@@ -353,3 +353,28 @@ def test_the_approve_endpoint_decides_exactly_like_the_event_hubs_trigger(tmp_pa
             assert event_status(emu, mine) == "Started"
         finally:
             function_app.get_approver.cache_clear()
+
+
+def test_a_scale_set_instance_cannot_get_another_instances_event_acknowledged_on_their_scale_set(tmp_path, certs,
+                                                                                                  identity):
+    """The reproduced High weakness: root on ss_0, with only ss_0's record key and ss_5's EventId (it
+    travels in every record), signs a record claiming the event names ss_0 and is user-initiated. ARM
+    accepts any member's event on the scale set, so the route must read the event from the platform
+    (Resource Graph) first: ss_5's platform reboot stays Scheduled, and only ss_5's own record moves it."""
+    with arm_emulator(certs, vms=[{"name": "ss_0", "vm_scale_set_name": "ss"},
+                                  {"name": "ss_5", "vm_scale_set_name": "ss"}]) as emu:
+        identity(emu)
+        approver = approver_for(emu, certs, tmp_path)
+        theirs = emu.schedule(type="Reboot", source="Platform", resources=["ss_5"], start_after=900)
+        lie = scheduled_record(emu, "ss_0", theirs, ["ss_0"])  # ss_0's own key, its own source: authentic, and a lie
+        outcome = approver.handle(lie)
+        assert (outcome["decision"], outcome["answer"]) == ("refused", "platform_does_not_name_this_vm"), outcome
+        assert outcome["vm"] == resource_id(emu, "ss_0") and outcome["target"] == "virtualMachineScaleSets/ss"
+        assert event_status(emu, theirs) == "Scheduled" and emu.stats()["start_requests"] == []
+        assert [r["path"].rpartition("/")[2] for r in emu.stats()["arm_requests"]] == ["resources"]  # read, no ack
+        # ss_5's genuine record of its own user-initiated event: the platform confirms, ARM acknowledges once.
+        mine = emu.schedule(type="Reboot", source="User", resources=["ss_5"], start_after=900)
+        genuine = approver.handle(scheduled_record(emu, "ss_5", mine, ["ss_5"]))
+        assert (genuine["decision"], genuine["target"]) == ("approved", "virtualMachineScaleSets/ss"), genuine
+        assert event_status(emu, mine) == "Started" and event_status(emu, theirs) == "Scheduled"
+        assert [(p["vm"], p["via"], p["event_ids"]) for p in emu.stats()["start_requests"]] == [("ss_5", "arm", [mine])]

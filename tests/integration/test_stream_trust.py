@@ -388,3 +388,31 @@ def test_the_event_hubs_trigger_acts_only_on_authenticated_records(recorder, tmp
         assert [r["path"] for r in recorder.requests] == ["/WestNO_0/approvals"]
     finally:
         function_app.get_approver.cache_clear()
+
+
+def test_on_the_callback_route_one_scale_set_instance_cannot_start_anothers_event(tmp_path):
+    """The High weakness on the callback route: root on ss_0 signs, with ss_0's own key, a record that
+    claims ss_5's platform reboot names ss_0 and is user-initiated. The approval can only go to ss_0's
+    own callback (the target comes from the authenticated identity), whose agent re-reads its own IMDS
+    and refuses an event that does not name ss_0: ss_5's event stays Scheduled."""
+    from forwarder.common.fleet_keys import CALLBACK_PURPOSE, RECORD_PURPOSE, derive_key
+    from forwarder.common.record_auth import sign_record
+
+    with Emulator(vms=[{"name": "ss_0", "vm_scale_set_name": "ss"}, {"name": "ss_5", "vm_scale_set_name": "ss"}],
+                  rate_limit=None) as emu:
+        rid = emu.stats()["vms"]["ss_0"]["resourceId"]
+        extra = ('[approval.callback]\nlisten = "127.0.0.1:0"\nsecret_env = "SEFWD_CALLBACK_SECRET"\n'
+                 'rate_limit = 600\n')
+        config = write_config(tmp_path / "sefwd.toml", emu.vm_url("ss_0"), tmp_path / "state", extra=extra)
+        env = {"SEFWD_CALLBACK_SECRET": as_secret(derive_key(MASTER, CALLBACK_PURPOSE, rid))}
+        with callback_agent(config, tmp_path / "agent.log", env) as (_agent, url):
+            approver = pipeline.RemoteApprover(settings("http://unused.invalid/{vm_name}", tmp_path,
+                                                        CALLBACK_URLS=json.dumps({rid: url})))
+            theirs = emu.schedule(type="Reboot", source="Platform", resources=["ss_5"], start_after=600)
+            lie = {"specversion": "1.0", "id": str(uuid.uuid4()), "type": "scheduledevent.scheduled", "source": rid,
+                   "time": datetime.now(timezone.utc).isoformat(), "subject": theirs,
+                   "data": {"EventId": theirs, "EventType": "Reboot", "EventSource": "User", "EventStatus": "Scheduled",
+                            "Resources": ["ss_0"], "Vm": {"Name": "ss_0", "ResourceId": rid}}}
+            outcome = approver.handle(sign_record(derive_key(MASTER, RECORD_PURPOSE, rid), lie))
+            assert (outcome["decision"], outcome["target"], outcome["http_status"]) == ("refused", "ss_0", 422), outcome
+            assert _status(emu, theirs) == "Scheduled" and emu.stats()["start_requests"] == []

@@ -10,6 +10,15 @@ Microsoft.Maintenance/scheduledevents/acknowledge/action on the VMs / scale sets
 "Scheduled Events Contributor" (b67fe603-310e-4889-b9ee-8257d09d353d), assigned on the resource
 groups (or the VMs) it may approve for, nothing wider.
 
+A scale-set instance's events are acknowledged on its scale set, where ARM accepts an event of *any*
+member: a record is only the VM's word, so before such an acknowledgement the route reads the event
+from the platform itself — Azure Resource Graph, ``maintenanceresources`` (the Maintenance provider has
+no GET for scheduled events: its REST spec holds only the two acknowledge POSTs) — and acknowledges
+only when the platform's own ``Resources`` name the authenticated instance and the event is still
+Scheduled. The identity needs read access to the scale sets for that (Reader, or the Scheduled Events
+Contributor role, which includes it). A plain VM is acknowledged on its own resource, where ARM itself
+accepts only that VM's events.
+
 Every trust decision is pipeline.RemoteApprover's, the same as the callback route's: only records
 whose ``sefwdauth`` verifies for the VM in their ``source`` (decide.authenticated_vm), each record id
 once (the durable seen-records cache), none older than RECORD_MAX_AGE_SECONDS, and only events whose
@@ -22,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +47,10 @@ ROUTES = ("callback", "arm")
 DEFAULT_ENDPOINT = "https://management.azure.com"
 DEFAULT_SCOPE = "https://management.azure.com/.default"
 API_VERSION = "2023-10-01-preview"
+GRAPH_API_VERSION = "2022-10-01"  # Microsoft.ResourceGraph/resources, stable
+EVENT_TYPE = "microsoft.maintenance/scheduledevents"
+# What an identifier spliced into a Resource Graph query may hold (Azure names: letters, digits, -_.() ).
+_PLAIN = re.compile(r"^[A-Za-z0-9._()-]{1,128}$")
 _TYPES = {"virtualmachines": "virtualMachines", "virtualmachinescalesets": "virtualMachineScaleSets"}
 MAX_TEXT = 300
 
@@ -64,6 +78,19 @@ class ArmTarget:
         q = lambda value: quote(value, safe="")  # noqa: E731
         return (f"/subscriptions/{q(self.subscription)}/resourcegroups/{q(self.resource_group)}/providers/"
                 f"Microsoft.Compute/{q(self.resource_type)}/{q(self.name)}")
+
+    @property
+    def shared(self) -> bool:
+        """Whether ARM accepts other VMs' events here too (a scale set): then the platform must confirm."""
+        return self.resource_type != "virtualMachines"
+
+    def event_id_in_graph(self, event_id: str) -> str:
+        """The Resource Graph id of ``event_id`` on this resource; ValueError for an unsafe identifier."""
+        for part in (self.subscription, self.resource_group, self.name, event_id):
+            if not _PLAIN.match(part):
+                raise ValueError(f"identifier {part!r} is not a plain Azure name")
+        return (f"/subscriptions/{self.subscription}/resourceGroups/{self.resource_group}/providers/Microsoft.Compute/"
+                f"{self.resource_type}/{self.name}/providers/{EVENT_TYPE}/{event_id}")
 
     def path(self, event_id: str) -> str:
         return (f"{self.resource()}/providers/Microsoft.Maintenance/scheduledevents/{quote(event_id, safe='')}"
@@ -180,6 +207,64 @@ class ArmClient:
         final = status not in (408, 429) and status < 500
         return {"ok": False, "final": final, "http_status": status, "reason": f"arm_{status}_{code or 'error'}"}
 
+    def platform_refusal(self, target: ArmTarget, event_id: str) -> dict[str, Any] | None:
+        """None when Azure's own record of ``event_id`` on ``target`` names ``target.vm_name`` and the
+        event is Scheduled; else why not, as an answer ({"ok": False, "final", "http_status", "reason"})."""
+        from azure.core.exceptions import AzureError
+        from azure.core.rest import HttpRequest
+
+        try:
+            event_resource = target.event_id_in_graph(event_id)
+        except ValueError:
+            return {"ok": False, "final": True, "http_status": None, "reason": "not_a_plain_identifier"}
+        request = HttpRequest("POST", self.settings.endpoint + "/providers/Microsoft.ResourceGraph/resources",
+                              params={"api-version": GRAPH_API_VERSION},
+                              headers={"Accept": "application/json", "Content-Type": "application/json"},
+                              json={"subscriptions": [target.subscription], "query": graph_query(event_resource),
+                                    "options": {"resultFormat": "objectArray"}})
+        try:
+            response = self._client.send_request(request, connection_timeout=self.settings.timeout,
+                                                  read_timeout=self.settings.timeout)
+        except AzureError as exc:
+            return {"ok": False, "final": False, "http_status": None,
+                    "reason": f"resource_graph_unavailable: {_text(exc.message)}"}
+        status = response.status_code
+        if status != 200:
+            # Not final: the acknowledgement is never sent unconfirmed, and a later copy may try again.
+            return {"ok": False, "final": False, "http_status": status, "reason": f"resource_graph_{status}"}
+        try:
+            rows = json.loads(response.text()).get("data")
+        except (ValueError, AttributeError):
+            rows = None
+        if not isinstance(rows, list):
+            return {"ok": False, "final": False, "http_status": status, "reason": "resource_graph_unreadable"}
+        row = next((r for r in rows if isinstance(r, dict) and str(r.get("id", "")).lower() == event_resource.lower()),
+                   None)
+        properties = row.get("properties") if row is not None else None
+        if not isinstance(properties, dict):
+            # Resource Graph lags the platform by seconds: a later copy of the record may find it.
+            return {"ok": False, "final": False, "http_status": status, "reason": "platform_has_no_such_event"}
+        if not names_vm(properties.get("Resources"), target.vm_name):
+            log.warning("record of %s claimed event %s, whose Resources on the platform are %.300r: not acknowledged",
+                        target.vm_name, event_id, properties.get("Resources"))
+            return {"ok": False, "final": True, "http_status": status, "reason": "platform_does_not_name_this_vm"}
+        if properties.get("EventStatus") != "Scheduled":
+            return {"ok": False, "final": True, "http_status": status, "reason": "platform_event_not_scheduled"}
+        return None
+
+
+def names_vm(resources: object, vm_name: str) -> bool:
+    """Whether the platform's ``Resources`` name ``vm_name`` ("_" prefix stripped, any case)."""
+    mine = vm_name.lower()
+    return isinstance(resources, list) and any(isinstance(r, str) and r.lstrip("_").lower() == mine for r in resources)
+
+
+def graph_query(event_resource_id: str) -> str:
+    """The Resource Graph query for one event (the id is a plain-name path: nothing to escape but quotes)."""
+    literal = event_resource_id.replace("\\", "\\\\").replace("'", "\\'")
+    return (f"maintenanceresources | where type =~ '{EVENT_TYPE}' | where id =~ '{literal}' "
+            "| project id, properties")
+
 
 class ArmRoute:
     """APPROVAL_ROUTE=arm: acknowledge on the authenticated VM's own resource, with the app's identity."""
@@ -198,8 +283,14 @@ class ArmRoute:
 
     def delivery(self, vm: VmIdentity) -> Delivery:
         target = target_for(vm)
-        return Delivery(f"{target.resource_type}/{target.name}", target.resource(),
-                        lambda event_id, note: self.client.acknowledge(target, event_id))
+
+        def send(event_id: str, note: str) -> dict[str, Any]:
+            if target.shared:  # ARM would accept any member's event here: believe only the platform
+                refusal = self.client.platform_refusal(target, event_id)
+                if refusal is not None:
+                    return refusal
+            return self.client.acknowledge(target, event_id)
+        return Delivery(f"{target.resource_type}/{target.name}", target.resource(), send)
 
 
 class ArmRemoteApprover(RemoteApprover):
