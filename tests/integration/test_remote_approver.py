@@ -82,7 +82,10 @@ def test_deduper_claims_once_releases_and_expires():
     assert dedupe.claim("EV-1:scheduled")
     now[0] = 61
     assert dedupe.claim("EV-1:scheduled")
-    assert dedupe_key({"type": "scheduledevent.scheduled", "data": {"EventId": "X"}}) == "X:scheduled"
+    vm = pipeline.VmIdentity.from_resource_id(resource_id("WestNO_0"))
+    assert vm is not None  # the key: the authenticated VM + the signed EventId and change, never "eventkey"
+    rec = {"type": "scheduledevent.scheduled", "eventkey": "OTHER:scheduled", "data": {"EventId": "X"}}
+    assert dedupe_key(vm, rec) == resource_id("WestNO_0").lower() + "|x:scheduled"
 
 
 # -- approver_client.py against a callback of our own ---------------------------------------------

@@ -126,7 +126,11 @@ def test_stream_to_arm_approval_to_started_to_outcome_with_external_approval_evi
             terminal = terminal_records()
             assert {r["data"]["Evidence"]["Used"][-1] for r in terminal} == {"approved_elsewhere"}  # vm-b too
             folded = approver.handle_many(terminal)
-            assert [(o["decision"], o["outcome"]) for o in folded] == [("outcome", "completed"), ("duplicate", "completed")]
+            # Each VM's report moves only its own outcome, and only of an event that names it: vm-b is not in it.
+            by_vm = {r["source"].rpartition("/")[2]: o for r, o in zip(terminal, folded)}
+            assert (by_vm["vm-a"]["decision"], by_vm["vm-a"]["outcome"]) == ("outcome", "completed")
+            assert (by_vm["vm-b"]["decision"], by_vm["vm-b"]["reason"]) == ("skip", "not_this_vm")
+            assert approver.handle(terminal[0])["decision"] in ("duplicate", "skip")  # a redelivery changes nothing
             for agent in agents.values():
                 assert agent.terminate() == 0
         finally:

@@ -416,3 +416,40 @@ def test_on_the_callback_route_one_scale_set_instance_cannot_start_anothers_even
             outcome = approver.handle(sign_record(derive_key(MASTER, RECORD_PURPOSE, rid), lie))
             assert (outcome["decision"], outcome["target"], outcome["http_status"]) == ("refused", "ss_0", 422), outcome
             assert _status(emu, theirs) == "Scheduled" and emu.stats()["start_requests"] == []
+
+
+def test_one_vms_records_move_only_that_vms_outcome_and_keys(recorder, tmp_path):
+    """The reproduced Low weakness, two VMs with their own keys: WestNO_1 (a) reports an outcome for
+    WestNO_0's EventId first, and (b) takes "<WestNO_0's EventId>:scheduled" as the eventkey of a bogus
+    approvable event of its own. WestNO_0's genuine records must still fold and be approved."""
+    template = f"http://127.0.0.1:{recorder.port}/{{vm_name}}/approvals"
+    approver = pipeline.RemoteApprover(settings(template, tmp_path))
+    victim = "EV-VICTIM"
+
+    def terminal(seen_by: str, rtype: str, outcome: str, resources: list[str], event_id: str = victim) -> dict[str, Any]:
+        rec = record("Reboot", "Platform", -1, resources=resources, seen_by=seen_by, rtype=rtype, event_id=event_id,
+                     signer="")
+        rec["data"]["Outcome"] = outcome
+        return _sign(seen_by, rec)
+
+    # (a) WestNO_1's "completed" for WestNO_0's event, naming only WestNO_0 (the truth) or itself (a lie).
+    honest_names = approver.handle(terminal("WestNO_1", "scheduledevent.completed", "completed", ["WestNO_0"]))
+    assert (honest_names["decision"], honest_names["reason"]) == ("skip", "not_this_vm")
+    lie = approver.handle(terminal("WestNO_1", "scheduledevent.completed", "completed", ["WestNO_1"]))
+    assert lie["decision"] == "outcome" and lie["vm"] == resource_id("WestNO_1")  # its own row, nobody else's
+    real = approver.handle(terminal("WestNO_0", "scheduledevent.canceled", "canceled", ["WestNO_0"]))
+    assert (real["decision"], real["outcome"]) == ("outcome", "canceled"), real  # not "duplicate" of the lie
+    # (b) A bogus, approvable event of WestNO_1 carrying WestNO_0's eventkey is approved on WestNO_1 only...
+    bogus = record("Reboot", "User", -1, resources=["WestNO_1"], seen_by="WestNO_1", event_id="EV-BOGUS", signer="")
+    bogus["eventkey"] = f"{victim}:scheduled"
+    assert approver.handle(_sign("WestNO_1", bogus))["decision"] == "approved"
+    # ...and WestNO_0's genuine, approvable record of its own event is approved, not answered "duplicate".
+    genuine = approver.handle(record("Reboot", "User", -1, resources=["WestNO_0"], seen_by="WestNO_0", event_id=victim))
+    assert (genuine["decision"], genuine["target"]) == ("approved", "WestNO_0"), genuine
+    assert sorted(r["path"] for r in recorder.requests) == ["/WestNO_0/approvals", "/WestNO_1/approvals"]
+
+
+def _sign(vm: str, rec: dict[str, Any]) -> dict[str, Any]:
+    from forwarder.common.record_auth import sign_record
+
+    return sign_record(record_key(vm), {k: v for k, v in rec.items() if k != ATTRIBUTE})

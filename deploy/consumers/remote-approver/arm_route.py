@@ -127,7 +127,6 @@ class ArmSettings(TrustSettings):
     scope: str = DEFAULT_SCOPE
     retries: int = 4
     timeout: float = 10.0
-    managed_identity_client_id: str | None = None  # a user-assigned identity; None: system-assigned/default chain
     verify: bool | str = True  # ARM_CA_BUNDLE: a private CA (tests, an ARM proxy)
 
     @classmethod
@@ -147,7 +146,6 @@ class ArmSettings(TrustSettings):
             **shared, endpoint=endpoint,
             scope=env.get("ARM_SCOPE", "").strip() or DEFAULT_SCOPE, retries=int(numbers["ARM_RETRIES"]),
             timeout=numbers["ARM_TIMEOUT_SECONDS"],
-            managed_identity_client_id=env.get("AZURE_CLIENT_ID", "").strip() or None,
             verify=ca_bundle or True,
         )
 

@@ -170,14 +170,13 @@ def target_vm(record: Mapping[str, Any]) -> str:
     return min(names, key=lambda name: (name.lower(), name))
 
 
-def dedupe_key(record: Mapping[str, Any]) -> str:
-    """The fleet-wide key of the change: sefwd's ``eventkey``, the same on every VM that saw it."""
-    key = record.get("eventkey")
-    if isinstance(key, str) and key:
-        return key
+def dedupe_key(vm: VmIdentity, record: Mapping[str, Any]) -> str:
+    """The de-duplication key of a change: the authenticated VM, the signed ``data.EventId`` and the
+    change (the record type's kind), never a free-text field such as ``eventkey``: a VM's record can
+    only ever take its own key, so no VM can make another VM's genuine record a "duplicate"."""
     raw = record.get("data")
     data: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-    return f"{data.get('EventId')}:{str(record.get('type', '')).rpartition('.')[2]}"
+    return f"{vm.resource_id.lower()}|{str(data.get('EventId', '')).lower()}:{str(record.get('type', '')).rpartition('.')[2]}"
 
 
 @dataclass
@@ -208,6 +207,9 @@ class Deduper:
             self._seen[key] = now
             return True
 
+    def settle(self, key: str) -> None:
+        """A claim here lasts until ``release`` or ``ttl``: nothing to do."""
+
     def release(self, key: str) -> None:
         with self._lock:
             self._seen.pop(key, None)
@@ -227,35 +229,28 @@ def record_outcome(record: Mapping[str, Any]) -> str | None:
 
 @dataclass
 class OutcomeFolder:
-    """One outcome per EventId across the fleet: completed beats unknown beats canceled; thread-safe.
+    """The strongest outcome per key in this process (fleet_state.Folds for one instance); thread-safe.
 
-    ``add`` returns the folded outcome and whether it changed, so a consumer acts (logs, alerts,
-    closes a ticket) once per EventId and once more only if a stronger outcome arrives later.
+    ``fold`` returns the folded value and whether it changed, so a consumer acts (logs, alerts,
+    closes a ticket) once per key and once more only if a stronger outcome arrives later.
     """
 
     ttl: float = 6 * 3600.0
     max_events: int = 100_000
     clock: Callable[[], float] = time.monotonic
-    _outcomes: OrderedDict[str, tuple[str, float]] = field(default_factory=OrderedDict, repr=False)
+    _outcomes: OrderedDict[str, tuple[str, int, float]] = field(default_factory=OrderedDict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, record: Mapping[str, Any]) -> tuple[str, str, bool] | None:
-        """(EventId, folded outcome, changed) for a terminal record; None for any other record."""
-        outcome = record_outcome(record)
-        data = record.get("data")
-        event_id = data.get("EventId") if isinstance(data, Mapping) else None
-        if outcome is None or not isinstance(event_id, str) or not event_id:
-            return None
-        key = event_id.lower()
+    def fold(self, key: str, value: str, rank: int) -> tuple[str, bool]:
         now = self.clock()
         with self._lock:
             while self._outcomes:
-                oldest, (_, when) = next(iter(self._outcomes.items()))
+                _, (_, _, when) = next(iter(self._outcomes.items()))
                 if now - when < self.ttl and len(self._outcomes) < self.max_events:
                     break
                 self._outcomes.popitem(last=False)
             previous = self._outcomes.get(key)
-            if previous is not None and FOLD_ORDER[previous[0]] >= FOLD_ORDER[outcome]:
-                return event_id, previous[0], False
-            self._outcomes[key] = (outcome, previous[1] if previous else now)
-            return event_id, outcome, True
+            if previous is not None and previous[1] >= rank:
+                return previous[0], False
+            self._outcomes[key] = (value, rank, previous[2] if previous else now)
+            return value, True

@@ -6,6 +6,7 @@ import base64
 import json
 import logging
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +18,8 @@ from standardwebhooks.webhooks import Webhook
 
 import approver_client
 import streamauth
-from decide import (ALL_EVENT_TYPES, Deduper, OutcomeFolder, Policy, VmIdentity, authenticated_vm, dedupe_key,
-                    record_age, should_approve, target_vm)
+from decide import (ALL_EVENT_TYPES, FOLD_ORDER, Deduper, OutcomeFolder, Policy, VmIdentity, authenticated_vm,
+                    dedupe_key, record_age, record_outcome, should_approve, target_vm)
 from seen_records import SeenRecords
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,41 @@ def master_keys(env: Mapping[str, str], problems: list[str]) -> tuple[bytes, ...
     return tuple(masters)
 
 
+STATE_BACKENDS = ("sqlite", "table")
+
+
+def state_settings(env: Mapping[str, str], problems: list[str]) -> dict[str, Any]:
+    """STATE_BACKEND (``sqlite``: one instance; ``table``: Azure Table Storage, any number) and its settings."""
+    backend = env.get("STATE_BACKEND", "").strip().lower() or "sqlite"
+    if backend not in STATE_BACKENDS:
+        problems.append(f"STATE_BACKEND must be one of {', '.join(STATE_BACKENDS)}, got {backend!r}")
+        backend = "sqlite"
+    connection = env.get("STATE_TABLE_CONNECTION", "").strip()
+    endpoint = env.get("STATE_TABLE_ENDPOINT", "").strip().rstrip("/")
+    if backend == "table":
+        if not connection and not endpoint:
+            problems.append("STATE_BACKEND=table needs STATE_TABLE_ENDPOINT (https://<account>.table.core.windows.net, "
+                            "with the app's managed identity) or STATE_TABLE_CONNECTION (a connection string)")
+        elif endpoint and not connection and not endpoint.lower().startswith("https://"):
+            problems.append(f"STATE_TABLE_ENDPOINT must be https:// (tokens never go over plain HTTP), got {endpoint!r}")
+    table = env.get("STATE_TABLE_NAME", "").strip() or "sefwdapprover"
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]{2,62}", table):
+        problems.append(f"STATE_TABLE_NAME must be 3-63 letters and digits, starting with a letter, got {table!r}")
+    lease = positive_numbers(env, (("STATE_LEASE_SECONDS", 600.0),), problems)["STATE_LEASE_SECONDS"]
+    return {"state_backend": backend, "state_table_connection": connection, "state_table_endpoint": endpoint,
+            "state_table_name": table, "state_lease": lease}
+
+
+def fleet_state_module() -> Any:
+    """deploy/consumers/shared/fleet_state.py: copied beside this app when published, else from the repository."""
+    try:
+        import fleet_state
+    except ImportError:
+        sys.path.append(str(APP_DIR.parent / "shared"))
+        import fleet_state
+    return fleet_state
+
+
 @dataclass(frozen=True)
 class TrustSettings:
     """What both routes share: who is trusted (the fleet master), the policy, the replay cache, staleness."""
@@ -127,6 +163,12 @@ class TrustSettings:
     record_max_age: float = 3600.0
     approver_name: str = "remote-approver"
     dry_run: bool = False
+    state_backend: str = "sqlite"  # "table": claims, keys and folds in Azure Table Storage (fleet_state.py)
+    state_table_connection: str = field(default="", repr=False)
+    state_table_endpoint: str = ""
+    state_table_name: str = "sefwdapprover"
+    state_lease: float = 600.0  # seconds a claim of a killed instance stays its owner's before another takes it over
+    managed_identity_client_id: str | None = None  # a user-assigned identity; None: system-assigned/default chain
 
     @staticmethod
     def shared_from_env(env: Mapping[str, str], problems: list[str]) -> dict[str, Any]:
@@ -140,7 +182,9 @@ class TrustSettings:
                                                                  / "seen-records.db")
         return {"policy": policy, "masters": masters, "webhook_secrets": webhook_secrets,
                 "seen_records_path": Path(seen), "record_max_age": numbers["RECORD_MAX_AGE_SECONDS"],
-                "approver_name": approver_name(env), "dry_run": _flag(env.get("DRY_RUN"))}
+                "approver_name": approver_name(env), "dry_run": _flag(env.get("DRY_RUN")),
+                "managed_identity_client_id": env.get("AZURE_CLIENT_ID", "").strip() or None,
+                **state_settings(env, problems)}
 
 
 @dataclass(frozen=True)
@@ -207,6 +251,19 @@ class Settings(TrustSettings):
         return streamauth.callback_secret(self.masters[0], vm.resource_id)
 
 
+def open_table_state(settings: TrustSettings) -> Any:
+    """fleet_state.TableState for STATE_BACKEND=table: a connection string, else the managed identity."""
+    module = fleet_state_module()
+    if settings.state_table_connection:
+        return module.TableState.open(connection_string=settings.state_table_connection,
+                                      table=settings.state_table_name)
+    from azure.identity import DefaultAzureCredential
+
+    credential = DefaultAzureCredential(managed_identity_client_id=settings.managed_identity_client_id)
+    return module.TableState.open(endpoint=settings.state_table_endpoint, credential=credential,
+                                  table=settings.state_table_name)
+
+
 ApproveFn = Callable[..., dict[str, Any]]
 # An approval to send: (EventId, note) -> {"ok", "final", "http_status", "reason"}; never raises.
 SendFn = Callable[[str, str], dict[str, Any]]
@@ -260,11 +317,23 @@ class RemoteApprover:
                  seen: SeenRecords | None = None, session: requests.Session | None = None,
                  approve: ApproveFn = approver_client.approve) -> None:
         self.settings = settings
-        self.deduper = deduper or Deduper()
         # Retention beyond the max age: a record older than that is refused as stale before the lookup.
-        self.seen = seen or SeenRecords(settings.seen_records_path, retention=2 * settings.record_max_age + 600)
+        retention = 2 * settings.record_max_age + 600
+        self.state: Any = None
+        self.seen: Any
+        self.deduper: Any
+        self.outcomes: Any
+        if settings.state_backend == "table" and seen is None and deduper is None:
+            # Every instance of the app shares these: each record, key and fold is decided once fleet-wide.
+            self.state = open_table_state(settings)
+            self.seen = self.state.claims("seen", lease=settings.state_lease, retention=retention)
+            self.deduper = self.state.claims("dedupe", lease=settings.state_lease, retention=Deduper.ttl)
+            self.outcomes = self.state.folds("outcome", retention=OutcomeFolder.ttl)
+        else:
+            self.deduper = deduper or Deduper()
+            self.seen = seen or SeenRecords(settings.seen_records_path, retention=retention)
+            self.outcomes = OutcomeFolder()
         self.untrusted = 0  # records refused for a missing or wrong sefwdauth (also logged)
-        self.outcomes = OutcomeFolder()
         if route is None:
             if not isinstance(settings, Settings):
                 raise TypeError("the callback route needs the callback Settings")
@@ -287,13 +356,9 @@ class RemoteApprover:
             outcome.update(decision="untrusted", reason="unauthenticated")
             return outcome
         outcome["vm"] = vm.resource_id
-        folded = self.outcomes.add(record)
-        if folded is not None:
-            # A terminal record: fold the VMs' conclusions into the fleet's one outcome per EventId.
-            _, fleet_outcome, changed = folded
-            outcome.update(decision="outcome" if changed else "duplicate", reason=f"fleet_outcome_{fleet_outcome}",
-                           eventkey=record.get("eventkey"), outcome=fleet_outcome)
-            return outcome
+        terminal = record_outcome(record)
+        if terminal is not None:
+            return self._fold(record, data, vm, terminal, outcome)
         approve, reason = should_approve(record, self.settings.policy)
         outcome["reason"] = reason
         if not approve:
@@ -303,7 +368,7 @@ class RemoteApprover:
         if refusal is not None:
             outcome.update(decision="skip", reason=refusal)
             return outcome
-        key = dedupe_key(record)
+        key = dedupe_key(vm, record)
         outcome["eventkey"] = key
         seen_key = f"{vm.resource_id.lower()}|{record.get('id')}"
         if not self.seen.claim(seen_key):
@@ -335,6 +400,7 @@ class RemoteApprover:
             raise
         if answer.get("final", True):
             self.seen.settle(seen_key)  # acted on for good (a kill before this line: the next copy takes over)
+            self.deduper.settle(key)
         else:
             # Unreachable, throttled or 5xx after every attempt: forget the keys so a redelivery or
             # the VM's next record tries again. The event still proceeds at NotBefore.
@@ -345,6 +411,31 @@ class RemoteApprover:
             answer=answer.get("reason"), http_status=answer.get("http_status"),
         )
         return outcome
+
+    def _fold(self, record: Mapping[str, Any], data: Mapping[str, Any], vm: VmIdentity, terminal: str,
+              outcome: dict[str, Any]) -> dict[str, Any]:
+        """A terminal record moves only its own VM's outcome of an event that names that VM."""
+        event_id = data.get("EventId")
+        resources = data.get("Resources")
+        if not isinstance(event_id, str) or not event_id:
+            outcome.update(decision="skip", reason="no_event_id")
+        elif not isinstance(resources, list) or not vm.named_in(resources):
+            outcome.update(decision="skip", reason="not_this_vm")
+        else:
+            # Keyed by the authenticated VM: another VM's report about this EventId can never
+            # overwrite, pre-empt or weaken this VM's (one VM's lie moves only its own row).
+            key = f"{vm.resource_id.lower()}|{event_id.lower()}"
+            value, changed = self.outcomes.fold(key, terminal, FOLD_ORDER[terminal])
+            outcome.update(decision="outcome" if changed else "duplicate", reason=f"outcome_{value}",
+                           eventkey=key, outcome=value)
+        return outcome
+
+    def close(self) -> None:
+        """Close the shared state (table client or SQLite file)."""
+        if self.state is not None:
+            self.state.close()
+        else:
+            self.seen.close()
 
     def _scope_problem(self, record: Mapping[str, Any], vm: VmIdentity) -> str | None:
         """Why the authenticated ``vm`` may not have this event approved through us, or None.
