@@ -37,8 +37,6 @@ DEFAULT_TIMEOUT = "15s"
 MAX_TARGETS = 20
 _STATUS = re.compile(r"error=(\d{3})\b")
 _CONNECTION = re.compile(r"connection error|socket exception|connection refused|name or service", re.I)
-# Apprise targets that post to a URL the user gives: plain http only to loopback (like the webhook sink).
-_PLAIN_HTTP = frozenset({"json", "form", "xml"})
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
 
@@ -151,10 +149,28 @@ def _target_problems(apprise: Any, index: int, url: str, insecure_http: bool) ->
     problems = []
     if getattr(plugin, "verify_certificate", True) is False:
         problems.append(f"{where}: verify=no turns TLS certificate checks off; remove it (the agent always verifies)")
-    if scheme in _PLAIN_HTTP and not insecure_http and not _loopback(getattr(plugin, "host", None)):
-        problems.append(f"{where}: plain http to a host other than loopback; use {scheme}s:// "
-                        "(or set insecure_http = true)")
+    if not insecure_http and _plain_to_network(plugin):
+        secure = getattr(plugin, "secure_protocol", None)
+        better = secure if isinstance(secure, str) else secure[0] if isinstance(secure, (tuple, list)) and secure else ""
+        hint = f"use {better}:// " if better else "use a TLS target "
+        problems.append(f"{where}: plain http (no TLS) to a host other than loopback: its token or message would "
+                        f"cross the network in clear text; {hint}(or set insecure_http = true)")
     return problems
+
+
+def _plain_to_network(plugin: Any) -> bool:
+    """Whether Apprise's plugin will talk without TLS to a host the user named that is not loopback.
+
+    Decided by the plugin, not by a list of schemes: ``secure`` is its own TLS flag for this URL
+    (gotify:// False, gotifys:// True; an e-mail URL is secure once STARTTLS/SSL applies). A plugin
+    without a plain ``protocol`` (slack://, pagerduty://, discord://, ...) only reaches its service's
+    fixed HTTPS endpoint, and one without a host (ntfy://topic, syslog://) uses its built-in
+    endpoint, so neither has a plain-http variant a user could pick.
+    """
+    if getattr(plugin, "secure", False) is True or not getattr(plugin, "protocol", None):
+        return False
+    host = getattr(plugin, "host", None)
+    return bool(host) and not _loopback(str(host))
 
 
 class NotifySink:
@@ -168,7 +184,8 @@ class NotifySink:
         "templates": "table of title/body templates per kind (default, scheduled, started, updated, completed, "
                      "canceled, ended, approval, forwarder); jinja2, sandboxed",
         "timeout": f"longest wait for one target per message (default {DEFAULT_TIMEOUT})",
-        "insecure_http": "allow json:// / form:// / xml:// (plain http) to a non-loopback host (default false)",
+        "insecure_http": "allow a target without TLS (gotify://, ntfy://, json://, mailto:// without STARTTLS, ...) "
+                         "to a non-loopback host (default false)",
     }
     max_batch = 10
 

@@ -233,8 +233,47 @@ INVALID = {
 }
 
 
-def _check(urls: list[str]) -> list[str]:
-    data = {"sinks": [{"type": "notify", "name": "people", "urls": urls}], "state": {"dir": "/tmp/unused-sefwd-state"}}
+# One scheme of each Apprise family that has a plain (no TLS) variant: with a non-loopback host each is
+# refused unless insecure_http = true, and its TLS variant or a loopback host is accepted. Decided by the
+# plugin's own ``secure`` flag, not by a list of schemes (the review found gotify:// passing and its token
+# crossing the network in clear text).
+PLAIN_FAMILIES = {
+    "gotify": ("gotify://10.20.30.40/SECRETGOTIFYTOK", "gotifys://"),
+    "ntfy": ("ntfy://SECRETUSER:SECRETPASS@10.20.30.40/topic", "ntfys://"),
+    "mattermost": ("mmost://10.20.30.40/SECRETMATTERMOSTTOKEN0123", "mmosts://"),
+    "rocket.chat": ("rocket://SECRETUSER:SECRETPASS@10.20.30.40/room", "rockets://"),
+    "apprise api": ("apprise://10.20.30.40/SECRETAPPRISEKEY", "apprises://"),
+    "matrix": ("matrix://SECRETUSER:SECRETPASS@10.20.30.40/#room", "matrixs://"),
+    "signal api": ("signal://10.20.30.40/+12345678901", "signals://"),
+    "json": ("json://hooks.example.com/SECRETPATH", "jsons://"),
+    "form": ("form://hooks.example.com/SECRETPATH", "forms://"),
+    "xml": ("xml://hooks.example.com/SECRETPATH", "xmls://"),
+    "e-mail without tls": ("mailto://alerts:SECRETPASSWORD@example.com?smtp=smtp.example.com", "mailtos://"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(PLAIN_FAMILIES))
+def test_plain_http_to_the_network_is_refused_by_the_plugins_own_tls_flag(family):
+    url, secure = PLAIN_FAMILIES[family]
+    (problem,) = _check([url])
+    assert "plain http (no TLS)" in problem and f"use {secure}" in problem and "SECRET" not in problem, problem
+    assert _check([url], insecure_http=True) == []  # the operator's explicit choice
+    tls = secure + url.partition("://")[2]
+    assert _check([tls]) == [], tls
+    loopback = url.replace("10.20.30.40", "127.0.0.1").replace("hooks.example.com", "[::1]").replace(
+        "@example.com?smtp=smtp.example.com", "@localhost")
+    assert _check([loopback]) == [], loopback
+
+
+def test_targets_without_a_plain_variant_are_not_refused():
+    """A plugin with no plain protocol reaches only its service's HTTPS endpoint; no host: its default one."""
+    for url in (VALID["slack"], VALID["discord"], "ntfy://topic", "pagerduty://integration@SECRETAPIKEY99"):
+        assert _check([url]) == [], url
+
+
+def _check(urls: list[str], **options: Any) -> list[str]:
+    data = {"sinks": [{"type": "notify", "name": "people", "urls": urls, **options}],
+            "state": {"dir": "/tmp/unused-sefwd-state"}}
     try:
         parse_config(data, {}, "test.toml")
     except ConfigError as exc:
