@@ -1,0 +1,261 @@
+"""The remote approver scaled out: replay claims, de-duplication keys and outcome folds shared through an
+Azure Storage table (deploy/consumers/shared/fleet_state.py, azure-data-tables) on Azurite, the Azure
+Storage emulator from npm (tests/peers/azurite/install.sh). Real SDK client, real emulator, real
+approver processes; a missing Azurite fails the suite when SEFWD_REQUIRE_PEERS is set (CI)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from standardwebhooks.webhooks import Webhook
+
+from benchmarks.peers.azurite_peer import AzuritePeer
+from tests.fleet import APP_DIR, MASTER_SECRET, callback_secret, record
+
+sys.path.insert(0, str(APP_DIR.parent / "shared"))
+import fleet_state  # noqa: E402
+import pipeline  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "approver_worker.py"
+_UNAVAILABLE = AzuritePeer.available()
+if _UNAVAILABLE is not None and os.environ.get("SEFWD_REQUIRE_PEERS"):  # CI: a missing peer is a failure
+    raise RuntimeError(f"Azurite is required here (SEFWD_REQUIRE_PEERS) but {_UNAVAILABLE}")
+pytestmark = [pytest.mark.timeout(240),
+              pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"azurite unavailable: {_UNAVAILABLE}")]
+
+
+@pytest.fixture(scope="module")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuritePeer]:
+    """Azurite's table service on a free loopback port; each test uses its own table."""
+    with AzuritePeer(log=tmp_path_factory.mktemp("azurite") / "azurite.log") as peer:
+        yield peer
+
+
+def table_name() -> str:
+    return "t" + uuid.uuid4().hex[:20]
+
+
+def state(azurite: AzuritePeer, table: str, owner: str | None = None, now: list[float] | None = None) -> Any:
+    opened = fleet_state.TableState.open(connection_string=azurite.connection_string, table=table)
+    if owner is not None or now is not None:
+        opened = fleet_state.TableState(opened.table, owner=owner, clock=(lambda: now[0]) if now else time.time)
+    return opened
+
+
+# -- fleet_state: the table semantics ----------------------------------------------------------------
+
+def test_a_claim_is_taken_once_released_only_by_its_owner_and_taken_over_after_its_lease(azurite):
+    table, now = table_name(), [1000.0]
+    mine = state(azurite, table, "instance-a", now).claims("seen", lease=60, retention=3600)
+    theirs = state(azurite, table, "instance-b", now).claims("seen", lease=60, retention=3600)
+    key = "/subscriptions/s/resourceGroups/g/providers/Microsoft.Compute/virtualMachines/vm-a|rec-1"  # "/" is fine
+    assert mine.claim(key) and not mine.claim(key) and not theirs.claim(key)  # pending under a live lease
+    theirs.release(key)  # not theirs to give back
+    assert not theirs.claim(key)
+    now[0] += 61  # instance-a was killed mid-claim: its lease ran out
+    assert theirs.claim(key) and not mine.claim(key)
+    mine.release(key)  # a late release of the old owner does not undo the take-over
+    theirs.settle(key)
+    now[0] += 3000
+    assert not mine.claim(key) and not theirs.claim(key)  # settled: acted on, until the retention ends
+    now[0] += 601
+    assert mine.claim(key)  # expired: a record this old is refused as stale before it gets here anyway
+    theirs.release("never-claimed")  # nothing to release: no error
+
+
+def test_concurrent_claims_of_one_key_give_exactly_one_owner(azurite):
+    table = table_name()
+    instances = [state(azurite, table, f"instance-{i}").claims("dedupe", lease=600, retention=3600) for i in range(8)]
+    keys = [f"vm|EV-{n}:scheduled" for n in range(10)]
+    won: Counter[str] = Counter()
+    lock = threading.Lock()
+    start = threading.Barrier(len(instances))
+
+    def run(claims: Any) -> None:
+        start.wait()
+        for key in keys:
+            if claims.claim(key):
+                with lock:
+                    won[key] += 1
+    threads = [threading.Thread(target=run, args=(c,)) for c in instances]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert won == Counter({key: 1 for key in keys})
+
+
+def test_folds_keep_the_strongest_value_across_instances_and_report_each_change_once(azurite):
+    table = table_name()
+    a, b = state(azurite, table, "a").folds("outcome"), state(azurite, table, "b").folds("outcome")
+    assert a.fold("vm|EV", "canceled", 0) == ("canceled", True)
+    assert b.fold("vm|EV", "canceled", 0) == ("canceled", False)
+    assert b.fold("vm|EV", "completed", 2) == ("completed", True)
+    assert a.fold("vm|EV", "unknown", 1) == ("completed", False)
+    results: list[tuple[str, bool]] = []
+    threads = [threading.Thread(target=lambda f=f, r=r: results.append(f.fold("vm|EV2", ("canceled", "unknown", "completed")[r], r)))
+               for f in (a, b) for r in (0, 1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert a.fold("vm|EV2", "canceled", 0) == ("completed", False)
+    assert [value for value, changed in results if changed].count("completed") == 1
+
+
+def test_settings_choose_the_backend_and_list_every_problem(tmp_path, azurite):
+    base = {"CALLBACK_URL_TEMPLATE": "https://{vm_name}.example/approvals", "SEFWD_MASTER_SECRET": MASTER_SECRET,
+            "SEEN_RECORDS_PATH": str(tmp_path / "seen.db")}
+    assert pipeline.Settings.from_env(base).state_backend == "sqlite"  # one instance, the default
+    with pytest.raises(ValueError) as info:
+        pipeline.Settings.from_env({**base, "STATE_BACKEND": "table", "STATE_TABLE_NAME": "no-dashes",
+                                    "STATE_LEASE_SECONDS": "0"})
+    for problem in ("STATE_TABLE_ENDPOINT", "STATE_TABLE_NAME", "STATE_LEASE_SECONDS"):
+        assert problem in str(info.value)
+    with pytest.raises(ValueError, match="must be https://"):
+        pipeline.Settings.from_env({**base, "STATE_BACKEND": "table", "STATE_TABLE_ENDPOINT": "http://acct.table.x"})
+    settings = pipeline.Settings.from_env({**base, "STATE_BACKEND": "table", "STATE_TABLE_NAME": table_name(),
+                                           "STATE_TABLE_CONNECTION": azurite.connection_string})
+    assert azurite.connection_string not in repr(settings)  # the account key never reaches a log line
+    approver = pipeline.RemoteApprover(settings)
+    try:
+        assert isinstance(approver.seen, fleet_state.TableClaims) and isinstance(approver.outcomes, fleet_state.TableFolds)
+        assert not (tmp_path / "seen.db").exists()
+    finally:
+        approver.close()
+
+
+# -- four approver processes, one killed mid-claim ---------------------------------------------------
+
+class Receiver:
+    """The VMs' approval callbacks on loopback: verifies each VM's derived secret, counts approvals per
+    (VM, EventId). The first request for ``hold`` is held until ``release`` and then lost (the instance
+    sending it was killed: the approval never arrived)."""
+
+    def __init__(self, hold: str) -> None:
+        self.approved: Counter[tuple[str, str]] = Counter()
+        self.bad = 0
+        self.held = threading.Event()
+        self.release = threading.Event()
+        self._hold = hold
+        self._lock = threading.Lock()
+        rx = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                vm = self.path.split("/")[1]
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                try:
+                    Webhook(callback_secret(vm)).verify(body, {k.lower(): v for k, v in self.headers.items()})
+                except Exception:  # noqa: BLE001 - any verification failure
+                    with rx._lock:
+                        rx.bad += 1
+                    self.send_error(401)
+                    return
+                ids = [r["EventId"] for r in json.loads(body)["StartRequests"]]
+                with rx._lock:
+                    hold = rx._hold in ids and not rx.held.is_set()
+                    if hold:
+                        rx.held.set()
+                if hold:
+                    rx.release.wait(120)
+                    self.close_connection = True
+                    return  # lost with the killed instance: no answer, not approved
+                with rx._lock:
+                    for event_id in ids:
+                        rx.approved[(vm, event_id)] += 1
+                raw = json.dumps({"status": "approved", "reason": "approved", "approved": ids}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.slow
+def test_four_approvers_on_one_stream_approve_each_event_exactly_once_even_when_one_is_killed_mid_claim(
+        tmp_path, azurite):
+    events = [f"EV-{n:02d}" for n in range(12)]
+    records = []
+    for n, event in enumerate(events):  # each event names two VMs; both report it, the first is its leader
+        pair = [f"vm{2 * n:02d}", f"vm{2 * n + 1:02d}"]
+        records += [record("Reboot", "User", -1, resources=pair, seen_by=vm, event_id=event) for vm in pair]
+    hold = records[0]  # the leader's record of EV-00: worker 0 is killed while sending its approval
+    feeds = []
+    for worker in range(4):  # the same stream to every instance: duplicates and redeliveries, each its order
+        copy = records * 2
+        random.Random(worker).shuffle(copy)
+        if worker == 0:
+            copy.insert(0, hold)
+        feeds.append(tmp_path / f"feed{worker}.jsonl")
+        feeds[-1].write_text("".join(json.dumps(r) + "\n" for r in copy))
+    receiver = Receiver(hold=events[0])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SEFWD_MASTER_SECRET": MASTER_SECRET,
+           "CALLBACK_URL_TEMPLATE": f"http://127.0.0.1:{receiver.port}/{{vm_name}}/approvals",
+           "CALLBACK_ATTEMPTS": "1", "CALLBACK_TIMEOUT_SECONDS": "120", "STATE_BACKEND": "table",
+           "STATE_TABLE_CONNECTION": azurite.connection_string, "STATE_TABLE_NAME": table_name(),
+           "STATE_LEASE_SECONDS": "2"}
+
+    def start(worker: int, out: str) -> subprocess.Popen[bytes]:
+        # Each instance its own local files, as on separate machines: only the table is shared.
+        local = {"SEEN_RECORDS_PATH": str(tmp_path / f"{out}.local.db")}
+        return subprocess.Popen([sys.executable, str(WORKER), str(feeds[worker]), str(tmp_path / out)],
+                                env={**env, **local}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    workers = [start(0, "out0.jsonl")]
+    try:
+        assert receiver.held.wait(60), "worker 0 never sent the approval of EV-00"
+        workers += [start(n, f"out{n}.jsonl") for n in range(1, 4)]  # the others, on the same stream
+        workers[0].send_signal(signal.SIGKILL)  # mid-claim: claimed, approval in flight, never settled
+        workers[0].wait(30)
+        receiver.release.set()
+        for proc in workers[1:]:
+            _, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err.decode()[-2000:]
+        # The killed instance's partition goes to another instance, which reads it again from the last
+        # checkpoint (a redelivery); once the dead owner's lease ran out, its claim is taken over.
+        deadline = time.monotonic() + 60
+        while (hold["data"]["Resources"][0], events[0]) not in receiver.approved:
+            assert time.monotonic() < deadline, "the approval cut short by the kill was never sent again"
+            takeover = start(0, "takeover.jsonl")
+            _, err = takeover.communicate(timeout=120)
+            assert takeover.returncode == 0, err.decode()[-2000:]
+        assert receiver.bad == 0
+        expected = {(f"vm{2 * n:02d}", event): 1 for n, event in enumerate(events)}
+        assert dict(receiver.approved) == expected  # exactly one approval per event, on its leader; none lost
+        outcomes = [json.loads(line) for out in tmp_path.glob("*.jsonl") if out.name.startswith(("out", "takeover"))
+                    for line in out.read_text().splitlines()]
+        approved = Counter(o["EventId"] for o in outcomes if o["decision"] == "approved")
+        assert approved == Counter({event: 1 for event in events})
+        assert {o["decision"] for o in outcomes} <= {"approved", "replayed", "duplicate", "skip"}
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        receiver.close()
