@@ -18,7 +18,8 @@ from benchmarks.common import MODES, machine_info, results_file
 from benchmarks.footprint import HOSTILE_RETURN_MIB, HOSTILE_RSS_GOAL_MIB
 from benchmarks.plots import draw
 
-BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send", "probe")
+BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send", "probe",
+              "approver_state")
 
 
 def _at(value: Any, path: str) -> Any:
@@ -67,6 +68,11 @@ SUMMARY: dict[str, dict[str, str] | str] = {
     "probe": {"answer_p50_ms": "probe.answer_ms.p50", "answer_p99_ms": "probe.answer_ms.p99",
               "route_p99_us": "probe.route_us.p99", "flip_p50_ms": "probe.flip_ms.p50",
               "flip_p99_ms": "probe.flip_ms.p99", "poll_interval_ms": "probe.flip_ms.poll_interval_ms"},
+    # The remote approver with its state on Azure Table Storage (Azurite): records/s by 1, 2 and 4 instances (issue 29).
+    "approver_records_per_s": {"sqlite_1": "approver_state.records_per_s.sqlite_1",
+                               "table_1": "approver_state.records_per_s.table_1",
+                               "table_2": "approver_state.records_per_s.table_2",
+                               "table_4": "approver_state.records_per_s.table_4"},
 }
 
 

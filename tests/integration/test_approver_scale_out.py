@@ -15,13 +15,12 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
-from standardwebhooks.webhooks import Webhook
 
+from benchmarks.peers.approval_receiver import ApprovalReceiver
 from benchmarks.peers.azurite_peer import AzuritePeer
 from tests.fleet import APP_DIR, MASTER_SECRET, callback_secret, record
 
@@ -30,7 +29,7 @@ import fleet_state  # noqa: E402
 import pipeline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = ROOT / "tests" / "approver_worker.py"
+WORKER = ROOT / "benchmarks" / "approver_worker.py"
 _UNAVAILABLE = AzuritePeer.available()
 if _UNAVAILABLE is not None and os.environ.get("SEFWD_REQUIRE_PEERS"):  # CI: a missing peer is a failure
     raise RuntimeError(f"Azurite is required here (SEFWD_REQUIRE_PEERS) but {_UNAVAILABLE}")
@@ -141,63 +140,6 @@ def test_settings_choose_the_backend_and_list_every_problem(tmp_path, azurite):
 
 # -- four approver processes, one killed mid-claim ---------------------------------------------------
 
-class Receiver:
-    """The VMs' approval callbacks on loopback: verifies each VM's derived secret, counts approvals per
-    (VM, EventId). The first request for ``hold`` is held until ``release`` and then lost (the instance
-    sending it was killed: the approval never arrived)."""
-
-    def __init__(self, hold: str) -> None:
-        self.approved: Counter[tuple[str, str]] = Counter()
-        self.bad = 0
-        self.held = threading.Event()
-        self.release = threading.Event()
-        self._hold = hold
-        self._lock = threading.Lock()
-        rx = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                vm = self.path.split("/")[1]
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                try:
-                    Webhook(callback_secret(vm)).verify(body, {k.lower(): v for k, v in self.headers.items()})
-                except Exception:  # noqa: BLE001 - any verification failure
-                    with rx._lock:
-                        rx.bad += 1
-                    self.send_error(401)
-                    return
-                ids = [r["EventId"] for r in json.loads(body)["StartRequests"]]
-                with rx._lock:
-                    hold = rx._hold in ids and not rx.held.is_set()
-                    if hold:
-                        rx.held.set()
-                if hold:
-                    rx.release.wait(120)
-                    self.close_connection = True
-                    return  # lost with the killed instance: no answer, not approved
-                with rx._lock:
-                    for event_id in ids:
-                        rx.approved[(vm, event_id)] += 1
-                raw = json.dumps({"status": "approved", "reason": "approved", "approved": ids}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                self.end_headers()
-                self.wfile.write(raw)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
-
-    def close(self) -> None:
-        self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.mark.slow
 def test_four_approvers_on_one_stream_approve_each_event_exactly_once_even_when_one_is_killed_mid_claim(
         tmp_path, azurite):
@@ -215,9 +157,10 @@ def test_four_approvers_on_one_stream_approve_each_event_exactly_once_even_when_
             copy.insert(0, hold)
         feeds.append(tmp_path / f"feed{worker}.jsonl")
         feeds[-1].write_text("".join(json.dumps(r) + "\n" for r in copy))
-    receiver = Receiver(hold=events[0])
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SEFWD_MASTER_SECRET": MASTER_SECRET,
-           "CALLBACK_URL_TEMPLATE": f"http://127.0.0.1:{receiver.port}/{{vm_name}}/approvals",
+    receiver = ApprovalReceiver(secret_of=callback_secret, hold=events[0])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), str(APP_DIR))),
+           "SEFWD_MASTER_SECRET": MASTER_SECRET,
+           "CALLBACK_URL_TEMPLATE": receiver.url_template,
            "CALLBACK_ATTEMPTS": "1", "CALLBACK_TIMEOUT_SECONDS": "120", "STATE_BACKEND": "table",
            "STATE_TABLE_CONNECTION": azurite.connection_string, "STATE_TABLE_NAME": table_name(),
            "STATE_LEASE_SECONDS": "2"}
@@ -259,3 +202,16 @@ def test_four_approvers_on_one_stream_approve_each_event_exactly_once_even_when_
                 proc.kill()
                 proc.wait(10)
         receiver.close()
+
+
+@pytest.mark.slow
+def test_the_benchmark_prints_and_writes_its_figures(tmp_path):
+    out = tmp_path / "approver_state.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.approver_state", "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(out.read_text())["results"]["approver_state"]["figures"]
+    assert set(figures["records_per_s"]) == {"sqlite_1", "table_1", "table_2", "table_4"}
+    assert all(rate > 0 for rate in figures["records_per_s"].values())
+    assert figures["decisions"]["table_4"]["approved"] == figures["events"]  # once per event, over 4 instances
+    assert "records/s" in proc.stdout and "scaling" in proc.stdout

@@ -1,9 +1,9 @@
-"""One remote-approver instance as a process, for the scale-out tests and benchmark: decides every record
+"""One remote-approver instance as a process, for the scale-out benchmark and tests: decides every record
 of a feed (a JSONL file) with the real pipeline.RemoteApprover, its settings from the environment as the
 Function's app settings (STATE_BACKEND=table: the shared Azure Storage table), and appends one outcome per
 record to an output JSONL file (flushed, so a kill loses nothing already decided).
 
-    python tests/approver_worker.py FEED OUT
+    PYTHONPATH=<checkout>:<checkout>/deploy/consumers/remote-approver python benchmarks/approver_worker.py FEED OUT
 """
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ import time
 from pathlib import Path
 
 APP_DIR = Path(__file__).resolve().parents[1] / "deploy" / "consumers" / "remote-approver"
-sys.path.insert(0, str(APP_DIR))
-
-import pipeline  # noqa: E402
 
 
 def main(feed: Path, out: Path) -> int:
+    import pipeline  # the Function app's module: its folder (APP_DIR) is on PYTHONPATH
+
     approver = pipeline.RemoteApprover(pipeline.Settings.from_env(os.environ))
     records = [json.loads(line) for line in feed.read_text().splitlines() if line.strip()]
     started = time.monotonic()
