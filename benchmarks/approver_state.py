@@ -61,17 +61,17 @@ def _stream(events: int, master: bytes) -> list[dict[str, Any]]:
     return [r for r in records for _ in range(2)]
 
 
-def _fleet(records: list[dict[str, Any]], instances: int, env: dict[str, str], tmp: Path) -> dict[str, Any]:
+def _fleet(name: str, records: list[dict[str, Any]], instances: int, env: dict[str, str], tmp: Path) -> dict[str, Any]:
     """Split the stream by EventId over ``instances`` worker processes; their decisions and times."""
     feeds: list[list[dict[str, Any]]] = [[] for _ in range(instances)]
     for rec in records:
         feeds[zlib.crc32(rec["subject"].encode()) % instances].append(rec)
     procs = []
     for n, feed in enumerate(feeds):
-        path = tmp / f"feed-{instances}-{n}.jsonl"
+        path = tmp / f"feed-{name}-{n}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in feed))
-        local = {"SEEN_RECORDS_PATH": str(tmp / f"seen-{instances}-{n}-{uuid.uuid4().hex[:6]}.db")}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path), str(tmp / f"out-{instances}-{n}.jsonl")],
+        local = {"SEEN_RECORDS_PATH": str(tmp / f"seen-{name}-{n}.db")}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path), str(tmp / f"out-{name}-{n}.jsonl")],
                                       env={**env, **local}, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     seconds = []
     for proc in procs:
@@ -81,7 +81,7 @@ def _fleet(records: list[dict[str, Any]], instances: int, env: dict[str, str], t
         seconds.append(json.loads(out.decode().strip().splitlines()[-1])["seconds"])
     decisions: dict[str, int] = {}
     for n in range(instances):
-        for line in (tmp / f"out-{instances}-{n}.jsonl").read_text().splitlines():
+        for line in (tmp / f"out-{name}-{n}.jsonl").read_text().splitlines():
             decision = json.loads(line)["decision"]
             decisions[decision] = decisions.get(decision, 0) + 1
     return {"seconds": max(seconds), "decisions": decisions}
@@ -106,7 +106,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
                                         "STATE_TABLE_NAME": f"bench{uuid.uuid4().hex[:12]}"}) for k in INSTANCES]
             for name, instances, env in runs:
                 receiver.approved.clear()
-                fleet = _fleet(records, instances, {**base, **env}, tmp)
+                fleet = _fleet(name, records, instances, {**base, **env}, tmp)
                 figures["records_per_s"][name] = round(len(records) / fleet["seconds"], 1)
                 figures["decisions"][name] = fleet["decisions"]
                 exact &= dict(receiver.approved) == {(r["data"]["Resources"][0], r["subject"]): 1 for r in records}
@@ -115,6 +115,7 @@ def run(sizes: Sizes) -> dict[str, Any]:
     one = figures["records_per_s"]["table_1"]
     figures["scaling"] = {f"x{k}": round(figures["records_per_s"][f"table_{k}"] / one, 2) for k in INSTANCES}
     figures["nproc"] = os.cpu_count()
+    figures["load_average"] = round(os.getloadavg()[0], 1)  # the machine is shared: the rates follow its load
     goals = [goal("every event approved exactly once, by every fleet size and backend", exact)]
     return result(figures, goals)
 

@@ -73,7 +73,7 @@ def _template_id(path: Path) -> str:
 
 def test_the_expected_templates_exist():
     names = {_template_id(p) for p in TEMPLATES}
-    assert {"azure/eventhubs/azuredeploy.json", "azure/vm-extension/azuredeploy.json",
+    assert {"azure/eventhubs/azuredeploy.json", "azure/vm-extension/azuredeploy.json", "azure/approver-state/azuredeploy.json",
             "azure/loganalytics/azuredeploy.json", "dashboards/azuredeploy.json"} <= names
 
 
@@ -368,3 +368,23 @@ def test_guide_links_and_commands_point_at_files_that_exist(path: Path):
     # Files named in commands (deploy/...), relative to the repository root.
     for target in set(re.findall(r"(?<![\w/.])(deploy/[\w./-]+\.(?:json|sh|ps1|py|yaml|yml|kql))", text)):
         assert (ROOT / target).exists(), f"{path.name} names missing {target}"
+
+
+STORAGE_TABLE_DATA_CONTRIBUTOR = "0a9a7e1f-b9d0-4cc4-a60d-0319b160aaa3"
+
+
+def test_approver_state_template_creates_the_table_and_grants_its_role_on_the_table_alone():
+    path = DEPLOY / "azure" / "approver-state" / "azuredeploy.json"
+    (account,) = _resources(path, "Microsoft.Storage/storageAccounts")
+    props = account["properties"]
+    assert props["minimumTlsVersion"] == "TLS1_2" and props["supportsHttpsTrafficOnly"] is True
+    assert props["allowSharedKeyAccess"] is False  # Entra ID (the app's managed identity) only: no account key
+    (table,) = _resources(path, "Microsoft.Storage/storageAccounts/tableServices/tables")
+    assert "parameters('tableName')" in table["name"]
+    (assignment,) = _resources(path, "Microsoft.Authorization/roleAssignments")
+    assert STORAGE_TABLE_DATA_CONTRIBUTOR in assignment["properties"]["roleDefinitionId"]
+    assert assignment["properties"]["principalId"] == "[parameters('principalId')]"
+    # Least privilege: the one table, not the account, the group or the subscription.
+    assert assignment["scope"] == ("[format('Microsoft.Storage/storageAccounts/{0}/tableServices/default/tables/{1}', "
+                                   "parameters('storageAccountName'), parameters('tableName'))]")
+    assert set(_load(path)["outputs"]) == {"stateTableEndpoint", "stateTableName"}
