@@ -194,3 +194,53 @@ def test_rbac_grants_limit_each_identity_to_its_scopes(emu, certs):
     emu.arm_grants = {"vm-1": (group,)}  # the role on the resource group
     assert post(emu, certs, ack_path(emu, "vm-0", event_a), bearer=token(emu, vm="vm-1")).status_code == 200
     assert event_status(emu, event_a) == event_status(emu, event_b) == "Started"
+
+
+# -- Azure Resource Graph: the platform's own record of an event --------------------------------------
+
+GRAPH = "/providers/Microsoft.ResourceGraph/resources"
+
+
+def graph(emu: Emulator, certs: ArmCerts, query: str, *, bearer: str | None = None, version: str = "2022-10-01",
+          subscriptions: list[str] | None = None) -> requests.Response:
+    body = {"subscriptions": subscriptions or [], "query": query, "options": {"resultFormat": "objectArray"}}
+    return post(emu, certs, GRAPH, bearer=bearer if bearer is not None else token(emu), version=version, body=body)
+
+
+def test_resource_graph_lists_each_event_on_the_vm_or_scale_set_its_resources_belong_to(emu, certs):
+    shared = emu.schedule(resources=["vm-1", "ss_0"], type="Reboot", source="Platform")
+    rows = graph(emu, certs, "maintenanceresources | where type =~ 'microsoft.maintenance/scheduledevents'").json()
+    assert rows["count"] == rows["totalRecords"] == 2 and rows["resultTruncated"] == "false"
+    by_id = {r["id"]: r for r in rows["data"]}
+    ss_row = next(r for r in rows["data"] if "/virtualMachineScaleSets/ss/" in r["id"])
+    assert ss_row["id"] == resource_id(emu, "ss_0").rpartition("/virtualMachines/")[0] + (
+        f"/providers/microsoft.maintenance/scheduledevents/{shared}")
+    assert f"{resource_id(emu, 'vm-1')}/providers/microsoft.maintenance/scheduledevents/{shared}" in by_id
+    props = ss_row["properties"]
+    assert (props["EventId"], props["Resources"], props["EventStatus"], props["EventType"]) == (
+        shared, ["vm-1", "ss_0"], "Scheduled", "Reboot")
+    assert ss_row["type"] == "microsoft.maintenance/scheduledevents" and ss_row["name"] == shared
+    # The one query form it evaluates: `where <type|id|name> =~ '<literal>'`, any case, quotes escaped.
+    one = graph(emu, certs, f"maintenanceresources | where type =~ 'microsoft.maintenance/scheduledevents' "
+                            f"| where id =~ '{ss_row['id'].upper()}' | project id, properties").json()
+    assert [r["id"] for r in one["data"]] == [ss_row["id"]]
+    assert graph(emu, certs, "maintenanceresources | where name =~ 'it\\'s not there'").json()["data"] == []
+    assert graph(emu, certs, "maintenanceresources", subscriptions=["00000000-0000-0000-0000-000000000000"]).json()[
+        "data"] == []
+    emu.complete(shared)
+    assert graph(emu, certs, "maintenanceresources").json()["data"] == []  # gone with the event
+
+
+def test_resource_graph_refuses_what_it_cannot_answer_and_needs_a_token(emu, certs):
+    assert graph(emu, certs, "resources | where type =~ 'microsoft.compute/virtualmachines'").status_code == 400
+    assert graph(emu, certs, "maintenanceresources | extend x = 1").status_code == 400
+    assert graph(emu, certs, "maintenanceresources", version="2019-04-01").json()["error"]["code"] == (
+        "InvalidApiVersionParameter")
+    assert graph(emu, certs, "maintenanceresources", bearer="forged").status_code == 401
+
+
+def test_resource_graph_leaves_out_rows_the_caller_has_no_grant_on(certs):
+    vms = ["vm-0", {"name": "ss_0", "vm_scale_set_name": "ss"}]
+    with arm_emulator(certs, vms=vms, arm_grants={"vm-0": ["/subscriptions/none"]}) as emu:
+        emu.schedule(resources=["ss_0"])
+        assert graph(emu, certs, "maintenanceresources").json()["data"] == []

@@ -382,3 +382,26 @@ def test_a_scale_set_instance_cannot_get_another_instances_event_acknowledged_on
         assert (genuine["decision"], genuine["target"]) == ("approved", "virtualMachineScaleSets/ss"), genuine
         assert event_status(emu, mine) == "Started" and event_status(emu, theirs) == "Scheduled"
         assert [(p["vm"], p["via"], p["event_ids"]) for p in emu.stats()["start_requests"]] == [("ss_5", "arm", [mine])]
+
+
+def test_on_a_scale_set_no_platform_answer_means_no_acknowledgement_and_a_later_copy_retries(tmp_path, certs,
+                                                                                                identity):
+    with arm_emulator(certs, vms=[{"name": "ss_0", "vm_scale_set_name": "ss"},
+                                  {"name": "ss_5", "vm_scale_set_name": "ss"}]) as emu:
+        identity(emu)
+        approver = approver_for(emu, certs, tmp_path, ARM_RETRIES="0")
+        mine = emu.schedule(type="Reboot", source="User", resources=["ss_5"], start_after=900)
+        record = scheduled_record(emu, "ss_5", mine, ["ss_5"])
+        emu.inject_fault("status", status=503, count=1, path="arm")  # Resource Graph unavailable
+        first = approver.handle(record)
+        assert (first["decision"], first["answer"], first["http_status"]) == ("failed", "resource_graph_503", 503)
+        assert event_status(emu, mine) == "Scheduled" and emu.stats()["start_requests"] == []
+        # An EventId the platform has no record of (yet): not acknowledged, not final either.
+        unknown = approver.handle(scheduled_record(emu, "ss_5", "5B3C4D2E-0000-4000-8000-000000000001", ["ss_5"]))
+        assert (unknown["decision"], unknown["answer"]) == ("failed", "platform_has_no_such_event")
+        # An id that is not a plain Azure name is never spliced into a query.
+        odd = approver.handle(scheduled_record(emu, "ss_5", "x' or 1==1 //", ["ss_5"]))
+        assert (odd["decision"], odd["answer"]) == ("refused", "not_a_plain_identifier")
+        again = approver.handle(copy.deepcopy(record))  # the redelivery: confirmed, acknowledged
+        assert again["decision"] == "approved" and event_status(emu, mine) == "Started"
+        assert not [r for r in emu.stats()["arm_requests"] if r["path"].endswith("/acknowledge") and r["status"] != 200]

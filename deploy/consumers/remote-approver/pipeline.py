@@ -390,6 +390,7 @@ class RemoteApprover:
             log.info("DRY_RUN: would approve %s (%s) via %s %s", data.get("EventId"), reason, self.route.name,
                      delivery.where)
             self.seen.settle(seen_key)
+            self.deduper.settle(key)
             outcome["decision"] = "dry_run"
             return outcome
         try:
