@@ -252,7 +252,9 @@ class Settings(TrustSettings):
 
 
 def open_table_state(settings: TrustSettings) -> Any:
-    """fleet_state.TableState for STATE_BACKEND=table: a connection string, else the managed identity."""
+    """fleet_state.TableState for STATE_BACKEND=table: a connection string (the table is created if
+    missing), else the managed identity, whose role is on the table alone: the table must exist
+    (deploy/azure/approver-state creates it)."""
     module = fleet_state_module()
     if settings.state_table_connection:
         return module.TableState.open(connection_string=settings.state_table_connection,
@@ -261,7 +263,7 @@ def open_table_state(settings: TrustSettings) -> Any:
 
     credential = DefaultAzureCredential(managed_identity_client_id=settings.managed_identity_client_id)
     return module.TableState.open(endpoint=settings.state_table_endpoint, credential=credential,
-                                  table=settings.state_table_name)
+                                  table=settings.state_table_name, create=False)
 
 
 ApproveFn = Callable[..., dict[str, Any]]
