@@ -129,11 +129,13 @@ def test_smoke_suite_runs_every_benchmark_writes_the_summary_and_draws_the_plots
     from benchmarks.__main__ import BENCHMARKS, GOALS, SUMMARY
     from benchmarks.peers.eventhubs_peer import EventHubsPeer
 
-    why = EventHubsPeer.available()
+    from benchmarks.peers.azurite_peer import AzuritePeer
+
+    why = EventHubsPeer.available() or AzuritePeer.available()
     if why is not None:
         if os.environ.get("SEFWD_REQUIRE_PEERS"):
-            raise RuntimeError(f"the Event Hubs test peer is required here (SEFWD_REQUIRE_PEERS) but {why}")
-        pytest.skip(f"the fleet benchmark needs the Event Hubs peer: {why}")
+            raise RuntimeError(f"the benchmarks' test peers are required here (SEFWD_REQUIRE_PEERS) but {why}")
+        pytest.skip(f"the fleet and approver_state benchmarks need the Event Hubs peer and Azurite: {why}")
     pytest.importorskip("matplotlib", reason="the bench extra is not installed: pip install -e '.[bench]'")
     out = tmp_path / "latest.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out)],
