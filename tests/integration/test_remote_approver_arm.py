@@ -382,6 +382,12 @@ def test_a_scale_set_instance_cannot_get_another_instances_event_acknowledged_on
         assert (genuine["decision"], genuine["target"]) == ("approved", "virtualMachineScaleSets/ss"), genuine
         assert event_status(emu, mine) == "Started" and event_status(emu, theirs) == "Scheduled"
         assert [(p["vm"], p["via"], p["event_ids"]) for p in emu.stats()["start_requests"]] == [("ss_5", "arm", [mine])]
+        # An event naming both: ss_5 claims to be alone in it (so its own leader); the platform's list
+        # makes ss_0 the leader, as the agents' callbacks would: not acknowledged on ss_5's word either.
+        both = emu.schedule(type="Reboot", source="User", resources=["ss_0", "ss_5"], start_after=900)
+        follower = approver.handle(scheduled_record(emu, "ss_5", both, ["ss_5"]))
+        assert (follower["decision"], follower["answer"]) == ("refused", "platform_names_another_leader"), follower
+        assert event_status(emu, both) == "Scheduled"
 
 
 def test_on_a_scale_set_no_platform_answer_means_no_acknowledgement_and_a_later_copy_retries(tmp_path, certs,

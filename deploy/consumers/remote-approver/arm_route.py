@@ -246,6 +246,10 @@ class ArmClient:
             log.warning("record of %s claimed event %s, whose Resources on the platform are %.300r: not acknowledged",
                         target.vm_name, event_id, properties.get("Resources"))
             return {"ok": False, "final": True, "http_status": status, "reason": "platform_does_not_name_this_vm"}
+        names = [r.lstrip("_") for r in properties["Resources"] if isinstance(r, str) and r.lstrip("_")]
+        if min(names, key=lambda name: (name.lower(), name)).lower() != target.vm_name.lower():
+            # The leader rule on the platform's own list, as the agent's callback applies it on its IMDS.
+            return {"ok": False, "final": True, "http_status": status, "reason": "platform_names_another_leader"}
         if properties.get("EventStatus") != "Scheduled":
             return {"ok": False, "final": True, "http_status": status, "reason": "platform_event_not_scheduled"}
         return None
