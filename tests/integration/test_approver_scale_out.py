@@ -215,3 +215,45 @@ def test_the_benchmark_prints_and_writes_its_figures(tmp_path):
     assert all(rate > 0 for rate in figures["records_per_s"].values())
     assert figures["decisions"]["table_4"]["approved"] == figures["events"]  # once per event, over 4 instances
     assert "records/s" in proc.stdout and "scaling" in proc.stdout
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("azure.functions") is None, reason="azure-functions missing")
+def test_the_function_app_on_the_table_backend_shares_its_decisions_between_instances(tmp_path, azurite, monkeypatch):
+    """The Function's own HTTP handler with STATE_BACKEND=table: a second instance (a fresh approver, its
+    own empty local files) knows what the first decided — the record is `replayed`, another record of
+    the same change `duplicate`, the outcome not reported twice."""
+    import azure.functions as func
+    import function_app
+
+    from tests.fleet import function_handlers
+
+    receiver = ApprovalReceiver(secret_of=callback_secret)
+    settings = {"SEFWD_MASTER_SECRET": MASTER_SECRET, "CALLBACK_URL_TEMPLATE": receiver.url_template,
+                "STATE_BACKEND": "table", "STATE_TABLE_CONNECTION": azurite.connection_string,
+                "STATE_TABLE_NAME": table_name(), "APPROVAL_ROUTE": "callback"}
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value)
+
+    def instance(n: int) -> Any:
+        monkeypatch.setenv("SEEN_RECORDS_PATH", str(tmp_path / f"instance{n}" / "seen.db"))
+        function_app.get_approver.cache_clear()
+        return lambda rec: json.loads(function_handlers()["sefwd_approve"](func.HttpRequest(
+            "POST", "https://approver.example/api/approve", headers={"Content-Type": "application/json"},
+            body=json.dumps(rec).encode())).get_body())["outcomes"][0]
+    try:
+        genuine = record("Reboot", "User", -1, resources=["vm-a"], seen_by="vm-a", event_id="EV-F")
+        first = instance(1)
+        assert first(genuine)["decision"] == "approved"
+        second = instance(2)
+        assert second(genuine)["decision"] == "replayed"
+        assert second(record("Reboot", "User", -1, resources=["vm-a"], seen_by="vm-a", event_id="EV-F"))[
+            "decision"] == "duplicate"  # the same change in another record: one approval per change
+        ended = record("Reboot", "User", -1, resources=["vm-a"], seen_by="vm-a", event_id="EV-F",
+                       rtype="scheduledevent.completed")
+        assert second(ended)["decision"] == "outcome"
+        assert instance(3)(ended)["decision"] == "duplicate"
+        assert dict(receiver.approved) == {("vm-a", "EV-F"): 1} and receiver.bad == 0
+        assert not any((tmp_path / f"instance{n}" / "seen.db").exists() for n in (1, 2, 3))
+    finally:
+        function_app.get_approver.cache_clear()
+        receiver.close()
