@@ -86,6 +86,11 @@ def test_deduper_claims_once_releases_and_expires():
     assert vm is not None  # the key: the authenticated VM + the signed EventId and change, never "eventkey"
     rec = {"type": "scheduledevent.scheduled", "eventkey": "OTHER:scheduled", "data": {"EventId": "X"}}
     assert dedupe_key(vm, rec) == resource_id("WestNO_0").lower() + "|x:scheduled"
+    # Two different updates of one event are two changes; the same update twice is one.
+    moved = {"type": "scheduledevent.updated", "data": {"EventId": "X", "NotBefore": "2026-11-27T10:00:00Z"}}
+    later = {"type": "scheduledevent.updated", "data": {"EventId": "X", "NotBefore": "2026-11-27T11:00:00Z"}}
+    assert dedupe_key(vm, moved) != dedupe_key(vm, later) and dedupe_key(vm, moved) == dedupe_key(vm, dict(moved))
+    assert dedupe_key(vm, moved).startswith(resource_id("WestNO_0").lower() + "|x:updated:")
 
 
 # -- approver_client.py against a callback of our own ---------------------------------------------

@@ -2,6 +2,8 @@
 once, and on which VM."""
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import threading
 import time
@@ -170,13 +172,25 @@ def target_vm(record: Mapping[str, Any]) -> str:
     return min(names, key=lambda name: (name.lower(), name))
 
 
+# The signed event fields an update can change: two different updates of one event are two changes.
+UPDATE_FIELDS = ("EventType", "Resources", "EventStatus", "NotBefore", "NotBeforeRaw", "Description", "EventSource",
+                 "DurationInSeconds")
+
+
 def dedupe_key(vm: VmIdentity, record: Mapping[str, Any]) -> str:
     """The de-duplication key of a change: the authenticated VM, the signed ``data.EventId`` and the
-    change (the record type's kind), never a free-text field such as ``eventkey``: a VM's record can
-    only ever take its own key, so no VM can make another VM's genuine record a "duplicate"."""
+    change (the record type's kind; an update also a digest of the signed event fields), never a
+    free-text field such as ``eventkey``: a VM's record can only ever take its own key, so no VM can
+    make another VM's genuine record a "duplicate"."""
     raw = record.get("data")
     data: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
-    return f"{vm.resource_id.lower()}|{str(data.get('EventId', '')).lower()}:{str(record.get('type', '')).rpartition('.')[2]}"
+    kind = str(record.get("type", "")).rpartition(".")[2]
+    key = f"{vm.resource_id.lower()}|{str(data.get('EventId', '')).lower()}:{kind}"
+    if kind == "updated":
+        values = {f: sorted(map(str, data[f])) if f == "Resources" and isinstance(data.get(f), list) else data.get(f)
+                  for f in UPDATE_FIELDS}
+        key += ":" + hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return key
 
 
 @dataclass
