@@ -16,6 +16,7 @@ from forwarder.agent.extension_heartbeat import HeartbeatFile
 from forwarder.imds.identity import VmIdentity
 from forwarder.imds.client import ImdsClient
 from forwarder.agent.poller import Poller
+from forwarder.agent.preflight import check_start
 from forwarder.records import RecordFactory, rfc3339, utcnow
 from forwarder.common.retry import Backoff
 from forwarder.store.recovery import Loss, lock_state_dir, open_agent_store
@@ -130,7 +131,8 @@ class Agent:
             retry_after_cap=cfg.delivery.retry_after_cap,
         )
         dispatcher = Dispatcher(store, sinks, backoff=backoff, max_age={s.name: s.max_age for s in cfg.sinks},
-                                filters={s.name: s.filter for s in cfg.sinks}, halt=halt)
+                                filters={s.name: s.filter for s in cfg.sinks}, halt=halt,
+                                stuck_after=cfg.agent.degraded_after)
         dispatcher.start()
         return dispatcher
 
@@ -228,6 +230,7 @@ class Agent:
 
     def run(self) -> int:
         cfg = self.config
+        check_start(cfg)  # a busy port stops the agent here, before any "started" (StartError, exit 1)
         lock = lock_state_dir(cfg.state.dir)
         try:
             opened = self._open_store()

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from forwarder.emulator.faults import FAULT_KINDS, FAULT_PATHS, OUT_OF_RANGE_FIELDS
-from forwarder.errors import ConfigError, ForwarderError
+from forwarder.errors import ForwarderError, UsageError
 from forwarder.common.values import parse_duration, parse_size
 
 log = logging.getLogger(__name__)
@@ -169,9 +169,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         host, port = parse_listen(args.listen, bare_port_host="127.0.0.1")
     except ValueError as exc:
-        raise ConfigError([f"--listen: {exc}"]) from None
+        raise UsageError([f"--listen: {exc}"]) from None
     if not is_loopback(host) and not args.allow_remote:
-        raise ConfigError([f"--listen {args.listen} is not a loopback address: add --allow-remote to expose "
+        raise UsageError([f"--listen {args.listen} is not a loopback address: add --allow-remote to expose "
                            "the emulator (it has no authentication) to the network"])
     problems = []
     timings: dict[str, float | None] = {}
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:  # ssl.SSLError included; never the files' content
             problems.append(f"--arm-tls: cannot load the certificate and key: {exc.strerror or type(exc).__name__}")
     if problems:
-        raise ConfigError(problems)
+        raise UsageError(problems)
     _setup_logging(getattr(args, "log_level", None))
     stop = threading.Event()
 
