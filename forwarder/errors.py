@@ -57,5 +57,12 @@ class ImdsTimeout(ImdsError):
     """IMDS did not answer in time: the connect or the whole answer ran past its deadline."""
 
 
+class ImdsUnreachable(ImdsError):
+    """Nothing answered at the IMDS address: refused, no route, or a name that does not resolve.
+
+    Real IMDS never refuses a connection, so this names a wrong endpoint at once rather than
+    looking like the slow first call (which is a timeout)."""
+
+
 class StateError(ForwarderError):
     """The persisted state could not be read or written."""

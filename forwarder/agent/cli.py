@@ -581,7 +581,8 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
             counts = store.dead_counts() if store is not None else {}
             # A sink no longer configured may still hold dead letters; any other name is a typo.
             if args.sink is not None and args.sink not in configured and args.sink not in counts:
-                raise UsageError([f"no sink named {args.sink!r} (configured: {', '.join(configured) or 'none'})"])
+                problem = f"no sink named {args.sink!r} (configured: {', '.join(configured) or 'none'})"
+                return _failed(args, "usage", problem, [problem], EXIT_CONFIG)
             letters = store.dead_letters(args.sink) if store is not None else []
         finally:
             if store is not None:

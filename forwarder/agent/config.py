@@ -677,7 +677,7 @@ def read_config_file(
     if system_path is _USE_SYSTEM_PATH:
         system_path = SYSTEM_CONFIG_PATH
     if path is not None:
-        chosen: Path | None = Path(path)
+        chosen = Path(path)
         named_by = "given with --config"
     elif env.get("SEFWD_CONFIG"):
         chosen = Path(env["SEFWD_CONFIG"])

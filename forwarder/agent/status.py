@@ -154,7 +154,8 @@ def health(s: dict[str, Any]) -> tuple[str, list[str]]:
     if not agent:
         reasons.append("no status report yet")
     elif imds.get("waiting_since"):
-        reasons.append(f"waiting for IMDS since {imds['waiting_since']}")
+        reasons.append(f"waiting for IMDS since {imds['waiting_since']}"
+                       + (f": {imds['last_error']}" if imds.get("last_error") else ""))
     if s.get("error"):
         reasons.append("the store is unreadable")
     if imds.get("consecutive_failures"):
@@ -196,8 +197,10 @@ def _sink_line(name: str, sk: dict[str, Any], s: dict[str, Any]) -> str:
 def format_age(seconds: float) -> str:
     """``2m15s`` rather than ``135.0s``: an age for people."""
     whole = int(seconds)
-    if whole < 60:
+    if seconds < 10:
         return f"{seconds:.1f}s"
+    if whole < 60:
+        return f"{whole}s"
     parts = [(whole // 86400, "d"), (whole % 86400 // 3600, "h"), (whole % 3600 // 60, "m"), (whole % 60, "s")]
     return "".join(f"{n}{unit}" for n, unit in parts if n)
 
@@ -232,7 +235,9 @@ def format_status(s: dict[str, Any]) -> str:
             pass
         imds = agent.get("imds", {})
         if imds.get("waiting_since") and s["running"]:
-            lines.append(f"waiting for IMDS at {imds.get('endpoint')} since {imds['waiting_since']} (no answer yet)")
+            lines.append(f"waiting for IMDS at {imds.get('endpoint')} since {imds['waiting_since']} "
+                         + (f"(no answer yet; latest error: {imds['last_error']})" if imds.get("last_error")
+                            else "(no answer yet)"))
         lines.append(
             f"last poll ok: {imds.get('last_poll_ok') or 'never'}; polls {imds.get('polls', 0)}, "
             f"IMDS errors {imds.get('imds_errors', 0)}, bad documents {imds.get('bad_documents', 0)}{age}"
