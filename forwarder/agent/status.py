@@ -141,6 +141,8 @@ def read_status(state_dir: Path) -> dict[str, Any]:
         out["error"] = str(exc)
     finally:
         store.close()
+    if not out["running"] and isinstance(out["agent"], dict):
+        out["events_as_of"] = out["agent"].get("updated")  # the agent is down: the events may be stale
     return out
 
 
@@ -244,8 +246,8 @@ def format_status(s: dict[str, Any]) -> str:
         )
         probe = agent.get("maintenance")
         if isinstance(probe, dict):
-            lines.append(f"maintenance probe: {probe.get('state')}" + (
-                f" ({probe.get('EventType')} {probe.get('EventId')} {probe.get('EventStatus')}, until "
+            lines.append(f"maintenance probe: {probe.get('state') or '-'}" + (
+                f" ({probe.get('EventType') or '-'} {probe.get('EventId')} {probe.get('EventStatus') or '-'}, until "
                 f"{probe.get('until') or 'it ends'})" if probe.get("EventId") else ""))
         st = agent.get("store", {})
         if st:
@@ -256,7 +258,8 @@ def format_status(s: dict[str, Any]) -> str:
         if agent.get("data_lost"):
             lost = agent["data_lost"]
             aside = f"; set aside as {lost.get('RenamedTo')}" if lost.get("RenamedTo") else ""
-            lines.append(f"DATA LOST at start: {lost.get('Reason')} ({lost.get('Detail')}){aside}")
+            detail = f" ({lost['Detail']})" if lost.get("Detail") else ""
+            lines.append(f"DATA LOST at start: {lost.get('Reason') or 'unknown reason'}{detail}{aside}")
     elif s["running"]:
         lines.append("no status report yet (the agent is starting)")
     else:
