@@ -411,7 +411,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
     from forwarder.imds.identity import VmIdentity
     from forwarder.agent.service import resolve_identity
     from forwarder.store.database import Store
-    from forwarder.agent.waiting import WaitNotice
+    from forwarder.agent.waiting import WaitNotice, imds_trouble
 
     config = load_config(args.config)
     # The result goes to stdout; at the default level no log line repeats it on stderr.
@@ -435,9 +435,17 @@ def cmd_approve(args: argparse.Namespace) -> int:
     config.state.dir.mkdir(parents=True, exist_ok=True)
     # IMDS may be slow or unreachable (each call retries for up to 90 s): say so after 5 s, not nothing
     # (the request budget alone spaces its two or three requests over up to about 3 s).
-    with WaitNotice(_say, f"approve: waiting for IMDS at {config.imds.endpoint} (retrying for up to "
-                    f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)", first=_wait_notice_after()), _imds_turn(config.state.dir):
-        imds = _cli_imds(config.imds)
+    imds = _cli_imds(config.imds)
+
+    def waiting() -> str:  # a refused or unroutable endpoint is named, not taken for a slow IMDS
+        trouble = imds_trouble(imds)
+        return (f"approve: waiting for IMDS at {config.imds.endpoint}: {trouble}; retrying for up to "
+                f"{RETRY_DEADLINE:g} s (Ctrl-C gives up)" if trouble else
+                f"approve: waiting for IMDS at {config.imds.endpoint} (retrying for up to "
+                f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)")
+
+    with WaitNotice(_say, waiting, first=_wait_notice_after(), cause=lambda: imds_trouble(imds)), \
+            _imds_turn(config.state.dir):
         try:
             saved = _saved_state(config.state.dir)
             known = VmIdentity.from_dict(saved.vm) if saved.vm else None

@@ -1,4 +1,4 @@
-"""What can fail at start, checked before the agent says "started": every listening port, at once.
+"""What can fail at start, checked before the agent says "started": every listening port and TLS file, at once.
 
 A busy port used to surface after the ``forwarder.started`` record, as an "invalid configuration". The
 agent now tries each configured address first (bind, then close at once) and stops with every
@@ -63,11 +63,20 @@ def try_listen(host: str, port: int) -> OSError | None:
 
 
 def check_start(config: Config) -> None:
-    """Raise StartError naming every address the agent cannot listen on."""
+    """Raise StartError naming every address the agent cannot listen on, and TLS files it cannot load."""
     problems = []
     for what, host, port in listeners(config):
         exc = try_listen(host, port)
         if exc is not None:
             problems.append(f"{what} {host_port_text(host, port)}: cannot listen: {listen_problem(exc, port)}")
+    callback = config.approval.callback
+    if callback is not None and callback.tls_cert is not None and callback.tls_key is not None:
+        from forwarder.common.listen import tls_server_context
+
+        try:
+            tls_server_context(callback.tls_cert, callback.tls_key)
+        except OSError as exc:  # ssl.SSLError included; never the files' content
+            problems.append(f"approval.callback tls_cert {callback.tls_cert} / tls_key {callback.tls_key}: "
+                            f"cannot load: {exc.strerror or type(exc).__name__}")
     if problems:
         raise StartError(problems)

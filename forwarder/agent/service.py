@@ -231,6 +231,8 @@ class Agent:
                 return None
             if not isinstance(imds.last_error, (ImdsUnreachable, ImdsTimeout)):
                 return vm
+            if self.stop.wait(1.0):  # (each round already retried with backoff; never a busy loop)
+                return None
 
     def _open_store(self) -> tuple[Store, SavedState] | None:
         """The store, retried while the disk refuses (full, I/O errors): no crash loop; None if stopped."""
