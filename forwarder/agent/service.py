@@ -202,7 +202,10 @@ class Agent:
         data["imds"] = {
             "endpoint": self.config.imds.endpoint,
             "waiting_since": rfc3339(self.waiting_since) if st.last_ok_wall is None else None,
-            "last_error": self.imds_trouble(),
+            # While waiting: what is wrong besides slowness; once answered: the error of failing polls.
+            "last_error": self.imds_trouble() if st.last_ok_wall is None else (
+                str(self.imds.last_error) if st.consecutive_failures and self.imds is not None
+                and self.imds.last_error is not None else None),
             "api_version": self.config.imds.api_version,
             "polls": st.polls,
             "imds_errors": st.imds_errors,

@@ -161,7 +161,8 @@ def health(s: dict[str, Any]) -> tuple[str, list[str]]:
     if s.get("error"):
         reasons.append("the store is unreadable")
     if imds.get("consecutive_failures"):
-        reasons.append(f"the last {imds['consecutive_failures']} IMDS poll(s) failed")
+        reasons.append(f"the last {imds['consecutive_failures']} IMDS poll(s) failed"
+                       + (f": {imds['last_error']}" if imds.get("last_error") and not imds.get("waiting_since") else ""))
     reasons += [_sink_reason(name, sk) for name, sk in sorted((agent.get("sinks") or {}).items()) if sk.get("stuck")]
     if agent.get("data_lost"):
         reasons.append("data was lost at start")
