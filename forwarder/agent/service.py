@@ -21,11 +21,10 @@ from forwarder.records import RecordFactory, rfc3339, utcnow
 from forwarder.common.retry import Backoff
 from forwarder.store.recovery import Loss, lock_state_dir, open_agent_store
 from forwarder.sinkapi import Sink, SinkContext, load_sink_factory
-from forwarder.agent.status import StatusReporter
+from forwarder.agent.status import StatusReporter, format_age
 from forwarder.store.database import DB_FILE, SavedState, Store
 from forwarder.agent.telemetry import NO_TELEMETRY, AgentTelemetry, create_telemetry
 from forwarder.store.outbox import StoreOutbox
-from forwarder.agent.status import format_age
 from forwarder.agent.waiting import WaitNotice, imds_trouble
 
 if TYPE_CHECKING:  # imported at run time only when approvals are configured
