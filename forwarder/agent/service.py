@@ -264,9 +264,9 @@ class Agent:
 
     def _run(self) -> int:
         cfg = self.config
-        check_start(cfg)  # a busy port stops the agent here, before any "started" (StartError, exit 1)
-        lock = lock_state_dir(cfg.state.dir)
+        lock = lock_state_dir(cfg.state.dir)  # first: a second agent on this state dir is told so, not "port in use"
         try:
+            check_start(cfg)  # a busy port stops the agent here, before any "started" (StartError, exit 1)
             opened = self._open_store()
             if opened is None:
                 return 1
