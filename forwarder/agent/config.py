@@ -712,9 +712,11 @@ def _show(key: str, value: Any) -> str:
         return "[" + ", ".join(_show(key, v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(redact(value))
-    return repr(value)
+    if isinstance(value, str):  # as TOML writes it ("..."), not as Python's repr ('...')
+        import json
+
+        return json.dumps(redact(value), ensure_ascii=False)
+    return str(value)
 
 
 def _sink_option_texts(sink: SinkConfig, env: Mapping[str, str] | None = None) -> dict[str, str]:

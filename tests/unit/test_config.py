@@ -521,5 +521,5 @@ def test_describe_summarises_and_redacts_secrets() -> None:
         assert secret not in text, secret
     # A variable's name is not a secret: it says where the secret comes from, and whether it is set.
     for shown in ("secret_env=HOOK_SECRET_VAR (not set)", "http://127.0.0.1:8080/vm/a", "500ms", "heartbeat off", "hook (type webhook)",
-                  "pretty=true", "batch_size=10", "X-Team='ops'", "example.com/hook", "/etc/sefwd/test.toml"):
+                  "pretty=true", "batch_size=10", 'X-Team="ops"', "example.com/hook", "/etc/sefwd/test.toml"):
         assert shown in text, shown
