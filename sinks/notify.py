@@ -117,7 +117,8 @@ def load_urls(options: Mapping[str, Any]) -> list[str]:
     if len(given) > 1:
         raise ValueError(f"set only one of {', '.join(given)}")
     if not given:
-        raise ValueError("set one of urls, urls_env or urls_file (Apprise URLs, e.g. slack://..., msteams://...)")
+        raise ValueError("set one of urls, urls_env or urls_file (Apprise URLs, e.g. slack://..., workflows://... for "
+                         "Teams)")
     if given[0] == "urls":
         value = options["urls"]
         if isinstance(value, str) or not isinstance(value, list) or not all(isinstance(u, str) for u in value):
@@ -132,7 +133,8 @@ def _target_problems(apprise: Any, index: int, url: str, insecure_http: bool) ->
     scheme = scheme_of(url)
     where = f"urls[{index}] ({scheme}://...)" if scheme else f"urls[{index}]"
     if not scheme:
-        return [f"{where}: not an Apprise URL (expected scheme://..., e.g. slack://, msteams://, mailtos://)"]
+        return [f"{where}: not an Apprise URL (expected scheme://..., e.g. slack://, workflows:// "
+                "(Teams), mailtos://)"]
     if any(c in url for c in "\r\n\0\t "):
         return [f"{where}: contains whitespace or control characters"]
     plugin = apprise.Apprise.instantiate(url, asset=_asset(apprise))
@@ -215,7 +217,10 @@ class NotifySink:
     @classmethod
     def check(cls, options: Mapping[str, Any]) -> list[str]:
         """Every problem with ``options``; the URLs are parsed by Apprise and never echoed."""
-        from sinks.notify_messages import FORMATS, template_problems
+        try:  # jinja2 comes with the extra: name it rather than "No module named 'jinja2'"
+            from sinks.notify_messages import FORMATS, template_problems
+        except ImportError as exc:
+            return unknown_options(options, cls.OPTIONS) + [f"the notify sink needs {exc.name}; {EXTRA_HINT}"]
 
         problems = unknown_options(options, cls.OPTIONS)
         problems += check_positive_duration(options, "timeout")
@@ -239,6 +244,23 @@ class NotifySink:
         for index, url in enumerate(urls):
             problems += _target_problems(apprise, index, url, options.get("insecure_http") is True)
         return problems
+
+    @classmethod
+    def describe_options(cls, options: Mapping[str, Any]) -> dict[str, str]:
+        """How ``sefwd config check`` shows the URL option: where the URLs come from and their schemes, never a URL."""
+        for key in ("urls", "urls_env", "urls_file"):
+            if options.get(key) is None:
+                continue
+            source = "" if key == "urls" else f"{options[key]} "
+            try:
+                urls = load_urls(options)
+            except ValueError:
+                return {key: f"{source}(not set)" if key == "urls_env" else f"{source}(unreadable)"}
+            schemes = ", ".join(sorted({scheme_of(u) or "?" for u in urls}))
+            state = "" if key == "urls" else ("set, " if key == "urls_env" else "read, ")
+            count = f"{len(urls)} target{'s' if len(urls) != 1 else ''}"
+            return {key: f"{source}({state}{count}" + (f": {schemes})" if urls else ")")}
+        return {}
 
     def send(self, batch: Sequence[Record]) -> Result:
         """One message per record to every target not yet reached; never raises."""

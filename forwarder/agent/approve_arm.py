@@ -14,7 +14,7 @@ import sys
 
 import orjson
 
-from forwarder.errors import ConfigError
+from forwarder.errors import UsageError
 
 ENDPOINT_ENV = "SEFWD_ARM_ENDPOINT"
 SCOPE_ENV = "SEFWD_ARM_SCOPE"
@@ -48,7 +48,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         if given:
             problems.append(f"{', '.join('--' + n.replace('_', '-') for n in given)} apply with --via arm only")
         if problems:
-            raise ConfigError(problems)
+            raise UsageError(problems)
         return
     if not args.resource_id:
         problems.append("--via arm needs --resource-id (the VM, scale-set instance, scale set or availability set)")
@@ -70,7 +70,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
             problems.append(f"--via arm needs {module}: pip install 'scheduled-events-forwarder[{extra}]'")
     if problems:
-        raise ConfigError(problems)
+        raise UsageError(problems)
 
 
 def cmd_approve_arm(args: argparse.Namespace) -> int:

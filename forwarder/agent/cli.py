@@ -14,10 +14,10 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from forwarder import __version__
-from forwarder.errors import ConfigError, ForwarderError
+from forwarder.errors import ConfigError, ForwarderError, UsageError
 
 if TYPE_CHECKING:
     from forwarder.emulator import Emulator
@@ -69,7 +69,7 @@ def _command(sub: argparse._SubParsersAction, name: str, summary: str, descripti
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sefwd",
         description="Forward Azure Scheduled Events (IMDS) as durable CloudEvents records.",
         epilog="Try it without Azure: sefwd demo. Help on one command: sefwd COMMAND --help.\n"
@@ -185,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arg(c)
     c.add_argument("--json", action="store_true",
                    help='print {"valid": ..., "source": ..., "problems": [...]} on stdout')
+    c = _command(csub, "show", "print the effective settings; needs no secret",
+                 "Print what the config sets (file, then SEFWD_* overrides) without needing the sinks' "
+                 "secrets: a problem outside [state] is listed as a warning, not an error.",
+                 "  sefwd config show -c /etc/sefwd/config.toml\n  sefwd config show --json | jq .state_dir",
+                 "exit codes: 0 shown (warnings included), 2 the file or [state] is invalid")
+    _add_config_arg(c)
+    c.add_argument("--json", action="store_true",
+                   help='print {"source", "state_dir", "sinks", "valid", "warnings"} on stdout')
     _command(csub, "example", "print an annotated example config",
              "Every key of every section and of every built-in sink, with its default; optional "
              "sections are commented out.",
@@ -403,7 +411,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
     from forwarder.imds.identity import VmIdentity
     from forwarder.agent.service import resolve_identity
     from forwarder.store.database import Store
-    from forwarder.agent.waiting import WaitNotice
+    from forwarder.agent.waiting import WaitNotice, imds_trouble
 
     config = load_config(args.config)
     # The result goes to stdout; at the default level no log line repeats it on stderr.
@@ -427,9 +435,17 @@ def cmd_approve(args: argparse.Namespace) -> int:
     config.state.dir.mkdir(parents=True, exist_ok=True)
     # IMDS may be slow or unreachable (each call retries for up to 90 s): say so after 5 s, not nothing
     # (the request budget alone spaces its two or three requests over up to about 3 s).
-    with WaitNotice(_say, f"approve: waiting for IMDS at {config.imds.endpoint} (retrying for up to "
-                    f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)", first=_wait_notice_after()), _imds_turn(config.state.dir):
-        imds = _cli_imds(config.imds)
+    imds = _cli_imds(config.imds)
+
+    def waiting() -> str:  # a refused or unroutable endpoint is named, not taken for a slow IMDS
+        trouble = imds_trouble(imds)
+        return (f"approve: waiting for IMDS at {config.imds.endpoint}: {trouble}; retrying for up to "
+                f"{RETRY_DEADLINE:g} s (Ctrl-C gives up)" if trouble else
+                f"approve: waiting for IMDS at {config.imds.endpoint} (retrying for up to "
+                f"{RETRY_DEADLINE:g} s per request; Ctrl-C gives up)")
+
+    with WaitNotice(_say, waiting, first=_wait_notice_after(), cause=lambda: imds_trouble(imds)), \
+            _imds_turn(config.state.dir):
         try:
             saved = _saved_state(config.state.dir)
             known = VmIdentity.from_dict(saved.vm) if saved.vm else None
@@ -540,13 +556,14 @@ def _saved_state(state_dir: Path) -> SavedState:
 def cmd_status(args: argparse.Namespace) -> int:
     import orjson
 
-    from forwarder.agent.config import load_config
+    from forwarder.agent.read_view import load_for_reading
     from forwarder.agent.status import format_status, health, read_status
 
-    config = load_config(args.config)
-    status = read_status(config.state.dir)
+    view = load_for_reading(args.config)  # the state dir only: no sink secret needed
+    status = read_status(view.state_dir)
     state, reasons = health(status)
     status["health"] = {"state": state, "reasons": reasons}
+    status["config_warnings"] = list(view.warnings)
     if args.json:
         sys.stdout.buffer.write(orjson.dumps(status, option=orjson.OPT_INDENT_2) + b"\n")
     else:
@@ -559,19 +576,21 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
     from forwarder.agent.config import load_config
     from forwarder.store.database import DB_FILE, Store
 
-    config = load_config(args.config)
     if args.deadletter_command == "list":
         import orjson
 
-        configured = [s.name for s in config.sinks]
-        store = Store.open(config.state.dir) if (config.state.dir / DB_FILE).is_file() else None
+        from forwarder.agent.read_view import load_for_reading
+
+        view = load_for_reading(args.config)  # the state dir only: no sink secret needed
+        _warn_config(view.warnings)
+        configured = list(view.sink_names)
+        store = Store.open(view.state_dir) if (view.state_dir / DB_FILE).is_file() else None
         try:
             counts = store.dead_counts() if store is not None else {}
             # A sink no longer configured may still hold dead letters; any other name is a typo.
             if args.sink is not None and args.sink not in configured and args.sink not in counts:
-                print(f"sefwd: no sink named {args.sink!r} (configured: {', '.join(configured) or 'none'})",
-                      file=sys.stderr)
-                return EXIT_CONFIG
+                problem = f"no sink named {args.sink!r} (configured: {', '.join(configured) or 'none'})"
+                return _failed(args, "usage", problem, [problem], EXIT_CONFIG)
             letters = store.dead_letters(args.sink) if store is not None else []
         finally:
             if store is not None:
@@ -594,6 +613,7 @@ def cmd_deadletter(args: argparse.Namespace) -> int:
         return EXIT_OK
     from forwarder.delivery.resend import replay
 
+    config = load_config(args.config)
     return replay(config.sinks, config.state.dir, args.sink, timeout=args.timeout, json_out=args.json)
 
 
@@ -604,6 +624,8 @@ def cmd_config(args: argparse.Namespace) -> int:
     if args.config_command == "example":
         sys.stdout.write(shipped())
         return EXIT_OK
+    if args.config_command == "show":
+        return _config_show(args)
     if args.json:
         import orjson
 
@@ -619,6 +641,35 @@ def cmd_config(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     print(describe(config))
     print("config OK", file=sys.stderr)
+    return EXIT_OK
+
+
+def _warn_config(warnings: Sequence[str]) -> None:
+    """A read-only command's config problems (a sink's secret not set, say): said, never fatal."""
+    for problem in warnings:
+        print(f"sefwd: warning: config: {problem}", file=sys.stderr)
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    """The effective settings; a missing secret (or any problem outside [state]) is a warning."""
+    from forwarder.agent.config import describe
+    from forwarder.agent.read_view import load_for_reading
+
+    view = load_for_reading(args.config)
+    if args.json:
+        import orjson
+
+        answer = {"source": view.source, "state_dir": str(view.state_dir), "sinks": list(view.sink_names),
+                  "valid": view.config is not None, "warnings": list(view.warnings)}
+        sys.stdout.buffer.write(orjson.dumps(answer, option=orjson.OPT_INDENT_2) + b"\n")
+        return EXIT_OK
+    if view.config is not None:
+        print(describe(view.config))
+    else:
+        print(f"source: {view.source}\nstate: {view.state_dir}\nsinks ({len(view.sink_names)}): "
+              + ", ".join(view.sink_names))
+        for problem in view.warnings:
+            print(f"warning: {problem}")
     return EXIT_OK
 
 
@@ -673,36 +724,59 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Every failure a user can cause ends as one line on stderr and a documented exit code:
     0 ok, 1 failure, 2 config or usage, 3 bad document (``once``), 4 degraded (``status``), 130 Ctrl-C.
     """
+    args: argparse.Namespace | None = None
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
         rc = _dispatch(args)
+    except UsageError as exc:
+        if args is None:  # argparse refused the line: --json still asks for a JSON answer
+            args = argparse.Namespace(json="--json" in (sys.argv[1:] if argv is None else argv))
+        return _failed(args, "usage", str(exc), exc.problems, EXIT_CONFIG)
     except ConfigError as exc:
-        print(f"sefwd: {exc}", file=sys.stderr)
-        return EXIT_CONFIG
+        return _failed(args, "config", str(exc), exc.problems, EXIT_CONFIG)
     except ForwarderError as exc:
-        print(f"sefwd: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
+        return _failed(args, "failure", str(exc), [], EXIT_FAILURE)
     except KeyboardInterrupt:
-        print("sefwd: interrupted (Ctrl-C)", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return _failed(args, "interrupted", "interrupted (Ctrl-C)", [], EXIT_INTERRUPTED)
     except BrokenPipeError:
         _quiet_stdout()
         return EXIT_OK
     except OSError as exc:
-        print(f"sefwd: {_os_problem(exc)}", file=sys.stderr)
-        return EXIT_FAILURE
+        return _failed(args, "failure", _os_problem(exc), [], EXIT_FAILURE)
     except Exception as exc:  # noqa: BLE001 - a bug still gets one line; the traceback only at debug level
         if logging.getLogger().isEnabledFor(logging.DEBUG):
             import traceback
 
             traceback.print_exc()
-        print(f"sefwd: unexpected error: {type(exc).__name__}: {exc} "
-              "(run with --log-level debug to see where)", file=sys.stderr)
-        return EXIT_FAILURE
+        return _failed(args, "unexpected", f"unexpected error: {type(exc).__name__}: {exc} "
+                       "(run with --log-level debug to see where)", [], EXIT_FAILURE)
     if rc is None:
         parser.error(f"unknown command {args.command!r}")
     return rc
+
+
+def _failed(args: argparse.Namespace | None, kind: str, message: str, problems: list[str], rc: int) -> int:
+    """One line on stderr; with ``--json`` also one JSON document on stdout, so a script always gets one."""
+    print(f"sefwd: {message}", file=sys.stderr)
+    if args is not None and getattr(args, "json", False) is True:
+        import orjson
+
+        answer = {"error": {"kind": kind, "message": message, "problems": problems}, "exit_code": rc}
+        try:
+            sys.stdout.buffer.write(orjson.dumps(answer, option=orjson.OPT_INDENT_2) + b"\n")
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass  # a closed stdout: the stderr line and the code still tell
+    return rc
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a wrong command line is a UsageError: one path for exit 2 and the ``--json`` answer."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        raise UsageError([message])
 
 
 def _quiet_stdout() -> None:

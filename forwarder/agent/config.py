@@ -89,6 +89,7 @@ class AgentConfig:
     record_key_file: str | None = None
     record_key: bytes | None = field(default=None, repr=False)
     status_interval: float = 5.0  # a changed status report is written within this many seconds
+    degraded_after: float = 30.0  # a sink failing longer (or dead-lettering) makes the agent degraded
 
 
 @dataclass(frozen=True)
@@ -321,6 +322,8 @@ SECTIONS: dict[str, dict[str, _Key]] = {
         "record_key_env": _Key("", _optional_text),
         "record_key_file": _Key("", _optional_text),
         "status_interval": _Key("5s", duration(0.05, 300.0)),
+        # A sink failing this long (or dead-lettering) makes the agent degraded: 30 s is the Spot notice.
+        "degraded_after": _Key("30s", duration(0.0, DAY, low_inclusive=False)),
     },
     "journal": {
         "max_size": _Key("256MiB", size(1024 * 1024, 64 * 1024**3)),
@@ -661,10 +664,20 @@ def load_config(
     """
     if env is None:
         env = os.environ
+    chosen, data = read_config_file(path, env, system_path)
+    if chosen is None:
+        return parse_config({}, env, DEFAULTS_SOURCE, check_sinks=check_sinks)
+    return parse_config(data, env, str(chosen), check_sinks=check_sinks)
+
+
+def read_config_file(
+    path: str | os.PathLike[str] | None, env: Mapping[str, str], system_path: Any = _USE_SYSTEM_PATH,
+) -> tuple[Path | None, dict[str, Any]]:
+    """The config file ``load_config`` would read and its TOML (None and {} for the built-in defaults)."""
     if system_path is _USE_SYSTEM_PATH:
         system_path = SYSTEM_CONFIG_PATH
     if path is not None:
-        chosen: Path | None = Path(path)
+        chosen = Path(path)
         named_by = "given with --config"
     elif env.get("SEFWD_CONFIG"):
         chosen = Path(env["SEFWD_CONFIG"])
@@ -673,13 +686,9 @@ def load_config(
         chosen = Path(system_path)
         named_by = "system config"
     else:
-        chosen = None
-        named_by = ""
-    if chosen is None:
-        return parse_config({}, env, DEFAULTS_SOURCE, check_sinks=check_sinks)
+        return None, {}
     chosen = chosen.expanduser()
-    data = _read_toml(chosen, named_by)
-    return parse_config(data, env, str(chosen), check_sinks=check_sinks)
+    return chosen, _read_toml(chosen, named_by)
 
 
 def default_config() -> Config:
@@ -703,9 +712,28 @@ def _show(key: str, value: Any) -> str:
         return "[" + ", ".join(_show(key, v) for v in value) + "]"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(redact(value))
-    return repr(value)
+    if isinstance(value, str):  # as TOML writes it ("..."), not as Python's repr ('...')
+        import json
+
+        return json.dumps(redact(value), ensure_ascii=False)
+    return str(value)
+
+
+def _sink_option_texts(sink: SinkConfig, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Options shown by what they name, never their value: ``secret_env=SEFWD_X (set)``, a sink's own texts."""
+    env = os.environ if env is None else env
+    texts = {k: f"{v} ({'set' if env.get(v, '').strip() else 'not set'})"
+             for k, v in sink.options.items() if k.endswith("_env") and isinstance(v, str)}
+    texts.update({k: f"{v}" for k, v in sink.options.items() if k.endswith("_file") and isinstance(v, str)})
+    try:
+        from forwarder.sinkapi import load_sink_factory
+
+        own = getattr(load_sink_factory(sink.type), "describe_options", None)
+        if callable(own):
+            texts.update(own(sink.options))
+    except Exception:  # noqa: BLE001 - a description must not fail the check that already passed
+        pass
+    return texts
 
 
 def describe(config: Config) -> str:
@@ -725,7 +753,8 @@ def describe(config: Config) -> str:
         f"sinks ({len(config.sinks)}):",
     ]
     for sink in config.sinks:
-        options = ", ".join(f"{k}={_show(k, v)}" for k, v in sink.options.items())
+        shown = _sink_option_texts(sink)
+        options = ", ".join(f"{k}={shown.get(k) or _show(k, v)}" for k, v in sink.options.items())
         lines.append(f"  {sink.name} (type {sink.type})" + (f": {options}" if options else ""))
         if sink.filter is not None:
             lines.append(f"    filter: {sink.filter.describe()}")

@@ -97,6 +97,9 @@ KEY_DOCS: dict[str, dict[str, tuple[str, Any]]] = {
                             "extension writes it from protectedSettings).", None),
         "status_interval": ("A changed status report (`sefwd status`, state.db) is written within this long; "
                             "each rewrite costs about a millisecond of CPU.", None),
+        "degraded_after": ("A sink failing this long (or sending records to dead letters) makes the agent "
+                           "degraded: `sefwd status` exits 4, /healthz answers 503, sefwd.degraded is 1. "
+                           "30 s is the shortest notice a VM gets (Spot/Preempt).", None),
     },
     "journal": {
         "max_size": ("The cap on undelivered records in state.db. Past max_size heartbeats and audits are "

@@ -12,7 +12,7 @@ from typing import Any
 
 from forwarder.common.fleet_keys import CALLBACK_PURPOSE, RECORD_PURPOSE, as_secret, derive_key
 from forwarder.common.signing import generate_secret, load_secret
-from forwarder.errors import ConfigError
+from forwarder.errors import UsageError
 
 PURPOSES = {"record": RECORD_PURPOSE, "callback": CALLBACK_PURPOSE}
 
@@ -63,10 +63,10 @@ def run(args: argparse.Namespace) -> int:
     options = {"master_env": args.master_env, "master_file": args.master_file}
     master = load_secret({k: v for k, v in options.items() if v is not None}, prefix="master")
     if master is None:  # argparse requires one of the two
-        raise ConfigError(["give --master-file or --master-env"])
+        raise UsageError(["give --master-file or --master-env"])
     resource_id = args.resource_id.strip()
     if not resource_id.lower().startswith(("/subscriptions/", "/vm/")):
-        raise ConfigError([f"--resource-id must be a VM resourceId (/subscriptions/...), got {resource_id[:80]!r}"])
+        raise UsageError([f"--resource-id must be a VM resourceId (/subscriptions/...), got {resource_id[:80]!r}"])
     if args.json:
         keys = {name: as_secret(derive_key(master, purpose, resource_id)) for name, purpose in PURPOSES.items()}
         sys.stdout.write(json.dumps({"resourceId": resource_id, "record_key": keys["record"],

@@ -34,7 +34,7 @@ import orjson
 from forwarder.agent.maintenance import MaintenancePolicy, MaintenanceTracker, StateFile, default_state_file
 from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler
 from forwarder.common.listen import host_port_text
-from forwarder.errors import ConfigError
+from forwarder.errors import StartError
 from forwarder.records import utcnow
 
 if TYPE_CHECKING:
@@ -276,13 +276,15 @@ class ProbeServer:
         return (server.url() if server is not None else f"http://{host_port_text(self.host, self.port)}") + self.path
 
     def start(self) -> ProbeServer:
+        from forwarder.agent.preflight import listen_problem
+
         if self._server is not None:
             return self
         try:
             server = _Server((self.host, self.port), _Handler, self.limits)
         except OSError as exc:
-            raise ConfigError([f"probe.listen {host_port_text(self.host, self.port)}: cannot listen: "
-                               f"{exc.strerror or exc}"]) from None
+            raise StartError([f"probe.listen {host_port_text(self.host, self.port)}: cannot listen: "
+                              f"{listen_problem(exc, self.port)}"]) from None
         server.owner = self
         self._server = server
         self.port = server.port

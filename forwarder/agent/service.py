@@ -11,20 +11,21 @@ from typing import TYPE_CHECKING
 from forwarder import __version__
 from forwarder.agent.config import Config
 from forwarder.delivery.dispatcher import Dispatcher
-from forwarder.errors import ConfigError, ImdsError, StateError
+from forwarder.errors import ConfigError, ImdsError, ImdsTimeout, ImdsUnreachable, StateError
 from forwarder.agent.extension_heartbeat import HeartbeatFile
 from forwarder.imds.identity import VmIdentity
 from forwarder.imds.client import ImdsClient
 from forwarder.agent.poller import Poller
+from forwarder.agent.preflight import check_start
 from forwarder.records import RecordFactory, rfc3339, utcnow
 from forwarder.common.retry import Backoff
 from forwarder.store.recovery import Loss, lock_state_dir, open_agent_store
 from forwarder.sinkapi import Sink, SinkContext, load_sink_factory
-from forwarder.agent.status import StatusReporter
+from forwarder.agent.status import StatusReporter, format_age
 from forwarder.store.database import DB_FILE, SavedState, Store
 from forwarder.agent.telemetry import NO_TELEMETRY, AgentTelemetry, create_telemetry
 from forwarder.store.outbox import StoreOutbox
-from forwarder.agent.waiting import WaitNotice
+from forwarder.agent.waiting import WaitNotice, imds_trouble
 
 if TYPE_CHECKING:  # imported at run time only when approvals are configured
     from forwarder.approval.approver import Approver
@@ -106,13 +107,21 @@ class Agent:
         self.refusals: RefusalAggregator | None = None
         self.waiting_since: datetime | None = None  # until IMDS first answered (status: "waiting for IMDS")
         self.maintenance: Maintenance | None = None  # [probe] or telemetry: forwarder.agent.probe
+        self.imds: ImdsClient | None = None
 
     def waiting_message(self) -> str:
         imds = self.config.imds
         waited = (utcnow() - self.waiting_since).total_seconds() if self.waiting_since is not None else 0.0
-        still = f"still waiting for IMDS at {imds.endpoint} after {waited:.0f} s" if waited >= 1 else \
+        still = f"still waiting for IMDS at {imds.endpoint} after {format_age(waited)}" if waited >= 1 else \
             f"waiting for IMDS at {imds.endpoint}"
-        return f"{still}; the first answer can take up to {imds.first_call_timeout:g} s"
+        trouble = self.imds_trouble()
+        if trouble:  # refused, unroutable, an error status: not the slow first call, so say what it is
+            return f"{still}: {trouble}; retrying"
+        return f"{still}; the first answer can take up to {format_age(imds.first_call_timeout)}"
+
+    def imds_trouble(self) -> str | None:
+        """The IMDS client's latest failure other than a timeout (None while none, or once answered)."""
+        return imds_trouble(self.imds) if self.imds is not None and not self._answered() else None
 
     def _answered(self) -> bool:
         return self.poller is not None and self.poller.stats.last_ok_wall is not None
@@ -130,7 +139,8 @@ class Agent:
             retry_after_cap=cfg.delivery.retry_after_cap,
         )
         dispatcher = Dispatcher(store, sinks, backoff=backoff, max_age={s.name: s.max_age for s in cfg.sinks},
-                                filters={s.name: s.filter for s in cfg.sinks}, halt=halt)
+                                filters={s.name: s.filter for s in cfg.sinks}, halt=halt,
+                                stuck_after=cfg.agent.degraded_after)
         dispatcher.start()
         return dispatcher
 
@@ -191,6 +201,10 @@ class Agent:
         data["imds"] = {
             "endpoint": self.config.imds.endpoint,
             "waiting_since": rfc3339(self.waiting_since) if st.last_ok_wall is None else None,
+            # While waiting: what is wrong besides slowness; once answered: the error of failing polls.
+            "last_error": self.imds_trouble() if st.last_ok_wall is None else (
+                str(self.imds.last_error) if st.consecutive_failures and self.imds is not None
+                and self.imds.last_error is not None else None),
             "api_version": self.config.imds.api_version,
             "polls": st.polls,
             "imds_errors": st.imds_errors,
@@ -206,6 +220,21 @@ class Agent:
             del view["seconds_left"]  # "until" says it, and the report is rewritten only when something changes
             data["maintenance"] = view
         return data
+
+    def _identity(self, imds: ImdsClient, state: SavedState) -> VmIdentity | None:
+        """This VM's identity before any record. While nothing answers at the IMDS address (refused,
+        unroutable, timing out) and none was saved, keep asking rather than make one up; None when
+        stopped first. An IMDS that answers without an identity still gives the host-name fallback."""
+        while True:
+            vm = resolve_identity(imds, state)
+            if vm.known or state.vm:
+                return vm
+            if self.stop.is_set():
+                return None
+            if not isinstance(imds.last_error, (ImdsUnreachable, ImdsTimeout)):
+                return vm
+            if self.stop.wait(1.0):  # (each round already retried with backoff; never a busy loop)
+                return None
 
     def _open_store(self) -> tuple[Store, SavedState] | None:
         """The store, retried while the disk refuses (full, I/O errors): no crash loop; None if stopped."""
@@ -227,28 +256,51 @@ class Agent:
                     return None
 
     def run(self) -> int:
+        """Until stopped: 0 once stopped cleanly, 1 if stopped before the store could be opened."""
+        rc = self._run()
+        if rc == 0:
+            log.info("sefwd stopped")
+        return rc
+
+    def _run(self) -> int:
         cfg = self.config
-        lock = lock_state_dir(cfg.state.dir)
+        lock = lock_state_dir(cfg.state.dir)  # first: a second agent on this state dir is told so, not "port in use"
         try:
+            check_start(cfg)  # a busy port stops the agent here, before any "started" (StartError, exit 1)
             opened = self._open_store()
             if opened is None:
                 return 1
             store, state = opened
             resumed = state.document is not None
-            imds = ImdsClient.from_config(cfg.imds, stop=self.stop)
+            imds = self.imds = ImdsClient.from_config(cfg.imds, stop=self.stop)
             # Before the sinks are built, so they can be observed; a no-op unless [telemetry] is set.
             telemetry = self.telemetry = create_telemetry(cfg.telemetry, cfg.state.dir)
             dispatcher = self.dispatcher = self._start_delivery(store)
             # From the first second, say what we wait for (instance metadata, then the first poll
             # can each take long): on stderr every 30 s, and in the status report for `sefwd status`.
             self.waiting_since = utcnow()
-            StatusReporter(store, lambda: {"imds": {"endpoint": cfg.imds.endpoint,
-                                                    "waiting_since": rfc3339(self.waiting_since)}},
-                           self.stop).write()
-            notice = WaitNotice(log.info, self.waiting_message, done=self._answered, stop=self.stop).start()
+            early = StatusReporter(store, lambda: {"imds": {"endpoint": cfg.imds.endpoint,
+                                                            "waiting_since": rfc3339(self.waiting_since),
+                                                            "last_error": self.imds_trouble()}}, self.stop)
+            early.write()
+            reporter: StatusReporter | None = None
+
+            def say(line: str) -> None:  # a cause (refused, unroutable) is a warning, and in the status at once
+                log.log(logging.WARNING if self.imds_trouble() else logging.INFO, "%s", line)
+                if reporter is None:
+                    early.write()
+                else:
+                    reporter.poke()
+
+            # The first line after half a second: by then a refused or unroutable endpoint is known and named.
+            notice = WaitNotice(say, self.waiting_message, done=self._answered, stop=self.stop, first=0.5,
+                                cause=self.imds_trouble).start()
             heartbeat_file: HeartbeatFile | None = None
             try:
-                vm = resolve_identity(imds, state)
+                vm = self._identity(imds, state)
+                if vm is None:  # stopped before IMDS ever answered: no record with a made-up identity
+                    log.info("stopped before IMDS answered; no record written")
+                    return 0
                 factory = RecordFactory(vm, cfg.imds.api_version, sequence=state.sequence, key=cfg.agent.record_key)
                 self.poller = poller = Poller(
                     telemetry.instrument_imds(imds), state, factory, telemetry.instrument_outbox(StoreOutbox(store)),
@@ -324,6 +376,5 @@ class Agent:
         finally:
             if lock is not None:
                 os.close(lock)
-        log.info("sefwd stopped")
         return 0
 

@@ -13,6 +13,7 @@ import orjson
 
 from forwarder import __version__
 from forwarder.errors import ForwarderError
+from forwarder.agent.sink_health import describe_sink_health
 from forwarder.common.logs import RateLimitedLog, redact
 from forwarder.records import rfc3339, utcnow
 from forwarder.store.actions import STATES
@@ -140,6 +141,8 @@ def read_status(state_dir: Path) -> dict[str, Any]:
         out["error"] = str(exc)
     finally:
         store.close()
+    if not out["running"] and isinstance(out["agent"], dict):
+        out["events_as_of"] = out["agent"].get("updated")  # the agent is down: the events may be stale
     return out
 
 
@@ -153,15 +156,67 @@ def health(s: dict[str, Any]) -> tuple[str, list[str]]:
     if not agent:
         reasons.append("no status report yet")
     elif imds.get("waiting_since"):
-        reasons.append(f"waiting for IMDS since {imds['waiting_since']}")
+        reasons.append(f"waiting for IMDS since {imds['waiting_since']}"
+                       + (f": {imds['last_error']}" if imds.get("last_error") else ""))
     if s.get("error"):
         reasons.append("the store is unreadable")
     if imds.get("consecutive_failures"):
-        reasons.append(f"the last {imds['consecutive_failures']} IMDS poll(s) failed")
-    reasons += [f"sink {name} is stuck" for name, sk in sorted((agent.get("sinks") or {}).items()) if sk.get("stuck")]
+        reasons.append(f"the last {imds['consecutive_failures']} IMDS poll(s) failed"
+                       + (f": {imds['last_error']}" if imds.get("last_error") and not imds.get("waiting_since") else ""))
+    reasons += [_sink_reason(name, sk) for name, sk in sorted((agent.get("sinks") or {}).items()) if sk.get("stuck")]
     if agent.get("data_lost"):
         reasons.append("data was lost at start")
     return ("degraded", reasons) if reasons else ("healthy", [])
+
+
+def _sink_reason(name: str, sink: dict[str, Any]) -> str:
+    """Why a sink makes the agent degraded, with its latest error (an older report has no health: "stuck")."""
+    health = sink.get("health")
+    if not isinstance(health, dict):
+        return f"sink {name} is stuck"
+    return f"sink {name} is {describe_sink_health(health)}"
+
+
+def _sink_line(name: str, sk: dict[str, Any], s: dict[str, Any]) -> str:
+    """One sink's line: its health first (ok / failing since / dead-lettering), then its figures."""
+    health = sk.get("health")
+    if isinstance(health, dict):
+        state = describe_sink_health(health) + (" [DEGRADED]" if health.get("degraded") else "")
+    else:
+        state = "STUCK" if sk.get("stuck") else "ok"
+    oldest = sk.get("oldest_undelivered_age_s")
+    return (
+        f"  sink {name}: {state}; backlog {s['backlog'].get(name, sk.get('backlog', 0))}"
+        + (f" (oldest {format_age(oldest)})" if oldest is not None else "")
+        + f", delivered {sk.get('delivered', 0)}, retries {sk.get('retries', 0)}, "
+        f"dead letters {s['dead_letters'].get(name, 0)}"
+        + (f", filtered {sk['filtered']} (" + ", ".join(f"{r} {n}" for r, n in sorted(sk.get("filtered_by_reason", {}).items()))
+           + ")" if sk.get("filtered") else "")
+        + (f", last error {redact(str(sk['last_error']))}"
+           if sk.get("last_error") and not (isinstance(health, dict) and health.get("last_error")) else "")
+    )
+
+
+def format_age(seconds: float) -> str:
+    """``2m15s`` rather than ``135.0s``: an age for people."""
+    whole = int(seconds)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if whole < 60:
+        return f"{whole}s"
+    parts = [(whole // 86400, "d"), (whole % 86400 // 3600, "h"), (whole % 3600 // 60, "m"), (whole % 60, "s")]
+    return "".join(f"{n}{unit}" for n, unit in parts if n)
+
+
+def _events_heading(s: dict[str, Any], count: int) -> str:
+    """The events line: which document, and, with the agent down, as of when (they may be stale)."""
+    incarnation = s.get("document_incarnation")
+    which = f"DocumentIncarnation {incarnation}" if incarnation is not None else "no document read yet"
+    agent = s.get("agent") or {}
+    if s.get("running") or not agent.get("updated"):
+        return f"current events ({which}): {count}"
+    when = "when the agent stopped" if agent.get("stopped") else "the agent's last report (it did not stop cleanly)"
+    return f"events as of {agent['updated']}, {when}; not current ({which}): {count}"
 
 
 def format_status(s: dict[str, Any]) -> str:
@@ -183,35 +238,29 @@ def format_status(s: dict[str, Any]) -> str:
             pass
         imds = agent.get("imds", {})
         if imds.get("waiting_since") and s["running"]:
-            lines.append(f"waiting for IMDS at {imds.get('endpoint')} since {imds['waiting_since']} (no answer yet)")
+            lines.append(f"waiting for IMDS at {imds.get('endpoint')} since {imds['waiting_since']} "
+                         + (f"(no answer yet; latest error: {imds['last_error']})" if imds.get("last_error")
+                            else "(no answer yet)"))
         lines.append(
             f"last poll ok: {imds.get('last_poll_ok') or 'never'}; polls {imds.get('polls', 0)}, "
             f"IMDS errors {imds.get('imds_errors', 0)}, bad documents {imds.get('bad_documents', 0)}{age}"
         )
         probe = agent.get("maintenance")
         if isinstance(probe, dict):
-            lines.append(f"maintenance probe: {probe.get('state')}" + (
-                f" ({probe.get('EventType')} {probe.get('EventId')} {probe.get('EventStatus')}, until "
+            lines.append(f"maintenance probe: {probe.get('state') or '-'}" + (
+                f" ({probe.get('EventType') or '-'} {probe.get('EventId')} {probe.get('EventStatus') or '-'}, until "
                 f"{probe.get('until') or 'it ends'})" if probe.get("EventId") else ""))
         st = agent.get("store", {})
         if st:
             lines.append(f"store: {st.get('path', '')}, {st.get('size_bytes', 0)} bytes of records, "
                          f"next {st.get('next_index', 0)}")
         for name, sk in sorted(agent.get("sinks", {}).items()):
-            oldest = sk.get("oldest_undelivered_age_s")
-            lines.append(
-                f"  sink {name}: " + ("STUCK, " if sk.get("stuck") else "") + f"backlog {s['backlog'].get(name, sk.get('backlog', 0))}"
-                + (f" (oldest {oldest:.1f}s)" if oldest is not None else "")
-                + f", delivered {sk.get('delivered', 0)}, retries {sk.get('retries', 0)}, "
-                f"dead letters {s['dead_letters'].get(name, 0)}"
-                + (f", filtered {sk['filtered']} (" + ", ".join(f"{r} {n}" for r, n in sorted(sk.get("filtered_by_reason", {}).items()))
-                   + ")" if sk.get("filtered") else "")
-                + (f", last error {redact(str(sk['last_error']))}" if sk.get("last_error") else "")
-            )
+            lines.append(_sink_line(name, sk, s))
         if agent.get("data_lost"):
             lost = agent["data_lost"]
             aside = f"; set aside as {lost.get('RenamedTo')}" if lost.get("RenamedTo") else ""
-            lines.append(f"DATA LOST at start: {lost.get('Reason')} ({lost.get('Detail')}){aside}")
+            detail = f" ({lost['Detail']})" if lost.get("Detail") else ""
+            lines.append(f"DATA LOST at start: {lost.get('Reason') or 'unknown reason'}{detail}{aside}")
     elif s["running"]:
         lines.append("no status report yet (the agent is starting)")
     else:
@@ -230,8 +279,10 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append("actions: " + ", ".join(f"{state} {n}" for state, n in totals.items() if n)
                      + " (" + "; ".join(f"{kind}: " + ", ".join(f"{st} {n}" for st, n in sorted(states.items()))
                                         for kind, states in sorted(by_kind.items())) + ")")
+    for problem in s.get("config_warnings") or []:
+        lines.append(f"warning: config: {problem}")
     events = s.get("current_events") or []
-    lines.append(f"current events (DocumentIncarnation {s.get('document_incarnation')}): {len(events)}")
+    lines.append(_events_heading(s, len(events)))
     for e in events:
         lines.append(
             f"  {e.get('EventId')} {e.get('EventType')} {e.get('EventStatus')} NotBefore={e.get('NotBefore') or '-'} "

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 import orjson
 
 from forwarder import __version__
-from forwarder.errors import ConfigError, ImdsError, ImdsTimeout
+from forwarder.errors import ConfigError, ImdsError, ImdsTimeout, StartError
 from forwarder.common.http_server import ConnectionLimits, HttpServer, QuietHandler
 from forwarder.common.listen import host_port_text
 from forwarder.sinkapi import Ok, Record, Reject, Result, Sink
@@ -140,6 +140,7 @@ def create_telemetry(config: TelemetryConfig, state_dir: Path) -> AgentTelemetry
 
 # -- health ------------------------------------------------------------------------------------
 
+
 class Health:
     """What /healthz says: IMDS failing for longer than ``unhealthy_after``, or records that cannot be journaled."""
 
@@ -155,7 +156,8 @@ class Health:
         self._journal_error: str | None = None
         self._poller: Poller | None = None
         self._outbox_errors_seen = 0
-        self.stuck_sinks: Callable[[], list[str]] = list  # sinks whose worker is dead or failing for long
+        self.stuck_sinks: Callable[[], list[str]] = list  # degraded sinks: failing for long, dead-lettering, dead worker
+        self.sink_details: Callable[[], dict[str, str]] = dict  # per degraded sink: its state and latest error
 
     def poll(self, ok: bool, error: str | None = None) -> None:
         now = self._clock()
@@ -200,7 +202,9 @@ class Health:
                 problems.append(f"records cannot be journaled: {journal_error}")
         stuck = self.stuck_sinks()
         if stuck:
-            problems.append(f"sink(s) stuck (failing for long, see status): {', '.join(stuck)}")
+            details = self.sink_details()
+            problems.append("sink(s) degraded: " + "; ".join(
+                f"{name} ({details[name]})" if details.get(name) else name for name in stuck))
         with self._lock:
             body = {
                 "status": "unhealthy" if problems else "ok",
@@ -498,7 +502,10 @@ class Telemetry:
         meter.create_observable_gauge("sefwd.sink.oldest_undelivered_age", [per_sink("oldest_undelivered_age_s", 0.0)],
                                       "s", "Age of the oldest record being delivered, per sink (0 when idle)")
         meter.create_observable_gauge("sefwd.sink.stuck", [per_sink("stuck")], "1",
-                                      "1 when a sink's worker is dead or its sends have failed for long")
+                                      "1 when a sink is degraded (same as sefwd.sink.degraded)")
+        meter.create_observable_gauge("sefwd.sink.degraded", [per_sink("stuck")], "1",
+                                      "1 when a sink has failed longer than [agent] degraded_after, sends records "
+                                      "to dead letters, or its worker died")
         meter.create_observable_gauge("sefwd.healthy", [healthy], "1", "1 when /healthz says ok")
 
         def poller_stat(field: str) -> Callable[[CallbackOptions], list[Observation]]:
@@ -541,9 +548,14 @@ class Telemetry:
         if maintenance is not None:
             self._maintenance = maintenance
         if snapshot is not None:
+            from forwarder.agent.sink_health import describe_sink_health
+
             self._snapshot_fn = snapshot
             self.health.stuck_sinks = lambda: sorted(
                 name for name, v in (self._snapshot().get("sinks") or {}).items() if v.get("stuck"))
+            self.health.sink_details = lambda: {
+                name: describe_sink_health(v.get("health") or {})
+                for name, v in (self._snapshot().get("sinks") or {}).items() if v.get("stuck")}
         if poller is not None:
             self.health.bind_poller(poller)
 
@@ -589,12 +601,14 @@ class Telemetry:
         """Serve /metrics and /healthz if ``listen`` is set (the Azure Monitor reader runs on its own)."""
         if self.config.listen is None or self._server is not None:
             return
+        from forwarder.agent.preflight import listen_problem
+
         host, port = self.config.listen
         try:
             server = _Server((host, port), _Handler, TELEMETRY_LIMITS)
         except OSError as exc:
-            raise ConfigError([f"telemetry.listen {host_port_text(host, port)}: cannot listen: "
-                               f"{exc.strerror or exc}"]) from None
+            raise StartError([f"telemetry.listen {host_port_text(host, port)}: cannot listen: "
+                              f"{listen_problem(exc, port)}"]) from None
         server.telemetry = self
         self._server = server
         server.start("telemetry-http", poll_interval=0.2)

@@ -15,6 +15,8 @@ from typing import Any
 
 # Digits, an optional fraction, an optional unit: no sign, no exponent, no nan/inf spellings.
 _DURATION = re.compile(r"^\s*([0-9]{1,15}(?:\.[0-9]{1,9})?) *(ms|s|m|h|d)?\s*$")
+# Or several such parts, largest unit first, each unit once: "2m15s", "1h30m", "1d12h", "1s500ms".
+_DURATION_PART = re.compile(r"([0-9]{1,15}(?:\.[0-9]{1,9})?) *(ms|s|m|h|d) *")
 _DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 _SIZE = re.compile(r"^\s*([0-9]{1,15}(?:\.[0-9]{1,9})?) *(B|KB|MB|GB|KiB|MiB|GiB|k|K|M|G)?\s*$")
 _SIZE_UNITS = {
@@ -38,17 +40,35 @@ def _finite_number(value: object, what: str) -> float:
     return float(value)
 
 
+def _compound(text: str) -> float | None:
+    """Seconds of "2m15s" / "1h30m" (units largest first, each once), or None when it is not one."""
+    text = text.strip()
+    position, total, last = 0, 0.0, float("inf")
+    while position < len(text):
+        m = _DURATION_PART.match(text, position)
+        if m is None:
+            return None
+        factor = _DURATION_UNITS[m.group(2)]
+        if factor >= last:  # "15s2m", "1m1m": a typo, not a duration
+            return None
+        total, last, position = total + float(m.group(1)) * factor, factor, m.end()
+    return total if position else None
+
+
 def _seconds(value: object) -> float:
     if isinstance(value, str):
         m = _DURATION.match(value)
         if not m:
-            raise ValueError(f"expected a duration like '1s', '500ms', '5m', got {value!r}")
+            compound = _compound(value)
+            if compound is None:
+                raise ValueError(f"expected a duration like '1s', '500ms', '5m' or '2m15s', got {value!r}")
+            return compound
         return float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"]
     return _finite_number(value, "a duration like '1s' or '500ms'")
 
 
 def parse_duration(value: object) -> float:
-    """Seconds from "1s", "500ms", "5m", "2h", "1d", or a bare number of seconds (at most 100 years)."""
+    """Seconds from "1s", "500ms", "5m", "2h", "1d", "2m15s", "1h30m", or a bare number of seconds (at most 100 years)."""
     seconds = _seconds(value)
     if seconds > _MAX_SECONDS:
         raise ValueError(f"must be at most {format_duration(_MAX_SECONDS)}, got {value!r}")

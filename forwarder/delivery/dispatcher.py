@@ -22,7 +22,9 @@ from forwarder.store.database import Entry, Store
 log = logging.getLogger(__name__)
 
 IDLE_WAIT = 60.0  # seconds a worker with nothing to do sleeps unless woken
-STUCK_AFTER = 300.0  # a sink failing this long (or its worker dead) is reported as stuck
+# A sink failing this long (or dead-lettering, or its worker dead) makes the agent degraded: the
+# shortest notice a VM gets is 30 s (Spot/Preempt), so an alert must not wait longer ([agent] degraded_after).
+STUCK_AFTER = 30.0
 SUPERVISE_EVERY = 5.0
 COLLECT_EVERY = 2.0  # delivered records are deleted in batches, not after every send
 
@@ -39,6 +41,22 @@ class SinkStats:
     last_latency_ms: float | None = None
     pending_since_ms: int | None = None  # store time of the oldest record being delivered
     failing_since: float | None = None  # monotonic: first failure (sink or store) of the current streak
+    failing_since_wall: str | None = None  # the same moment, RFC 3339, for people
+    errors: int = 0  # failures (retries, refusals, store faults) since the last delivery
+    dead_lettering: bool = False  # a record went to dead letters and none was delivered since
+
+    def failed(self, error: str) -> None:
+        """One failure of the current streak: the latest error is the one shown."""
+        self.last_error = error
+        self.errors += 1
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
+            self.failing_since_wall = rfc3339(utcnow())
+
+    def succeeded(self) -> None:
+        self.failing_since = self.failing_since_wall = None
+        self.errors = 0
+        self.dead_lettering = False
     store_errors: int = 0
     restarts: int = 0
 
@@ -104,9 +122,7 @@ class SinkWorker:
                 failures += 1
                 self.position = self.cursor
                 self.stats.store_errors += 1
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"
-                if self.stats.failing_since is None:
-                    self.stats.failing_since = time.monotonic()
+                self.stats.failed(f"{type(exc).__name__}: {exc}")
                 delay = self.backoff.delay(failures - 1, self._rng)
                 self._errors.log(logging.ERROR, "store", "sink %s: %s; retrying in %.2fs", self.name, self.stats.last_error, delay)
                 if self.halt.wait(delay):
@@ -141,9 +157,7 @@ class SinkWorker:
                 break
             except Exception as exc:
                 self.stats.store_errors += 1
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"
-                if self.stats.failing_since is None:
-                    self.stats.failing_since = time.monotonic()
+                self.stats.failed(f"{type(exc).__name__}: {exc}")
                 delay = self.backoff.delay(attempt, self._rng)
                 attempt += 1
                 self._errors.log(logging.ERROR, "cursor", "sink %s: cannot save its cursor: %s; retrying in %.2fs",
@@ -156,6 +170,7 @@ class SinkWorker:
             self.stats.dead_by_reason[reason] = self.stats.dead_by_reason.get(reason, 0) + 1
         if dead:
             self.stats.dead_lettered += len(dead)
+            self.stats.dead_lettering = True
             log.error("sink %s: %d record(s) moved to dead letters: %s", self.name, len(dead),
                       ", ".join(sorted({f"{r} {d}".strip() for _, r, d in dead})))
 
@@ -192,30 +207,44 @@ class SinkWorker:
             if isinstance(result, Ok):
                 self.stats.delivered += len(records)
                 self.stats.last_latency_ms = self._clock() * 1000 - batch[-1][0].appended_ms
-                self.stats.failing_since = None
+                self.stats.succeeded()
                 self._errors.clear("send")
                 return True
             if isinstance(result, Reject):
                 if len(batch) > 1:  # find the bad one(s): the rest must still arrive
                     return all(self._send([pair], dead) for pair in batch)
                 dead.append((batch[0][1].body, result.reason, result.detail))
+                self.stats.failed(result.reason)  # a refusal is the latest error too (a 400 is no success)
                 return True
             assert isinstance(result, Retry)
             delay = self.backoff.delay(attempt, self._rng, result.delay)
             attempt += 1
             self.stats.retries += 1
-            self.stats.last_error = result.reason
-            if self.stats.failing_since is None:
-                self.stats.failing_since = time.monotonic()
+            self.stats.failed(result.reason)
             self._errors.log(logging.WARNING, "send", "sink %s: %s; retrying %d record(s) in %.2fs", self.name, result.reason, len(records), delay)
             if self.halt.wait(delay):
                 return False
 
     def stuck(self) -> bool:
-        """Dead thread, or failing for longer than STUCK_AFTER."""
+        """Degraded: a dead thread, dead-lettering, or failing for longer than ``stuck_after``."""
         since = self.stats.failing_since
-        return not self.thread.is_alive() and not self.halt.is_set() or (
+        return not self.thread.is_alive() and not self.halt.is_set() or self.stats.dead_lettering or (
             since is not None and time.monotonic() - since > self.stuck_after)
+
+    def health(self) -> dict[str, object]:
+        """``ok``, ``failing`` (since when, the latest error, how many) or ``dead_lettering``; and degraded."""
+        stats = self.stats
+        if stats.dead_lettering:
+            state = "dead_lettering"
+        elif stats.failing_since is not None:
+            state = "failing"
+        elif not self.thread.is_alive() and not self.halt.is_set():
+            state = "worker_dead"
+        else:
+            state = "ok"
+        return {"state": state, "failing_since": stats.failing_since_wall, "errors": stats.errors,
+                "last_error": stats.last_error if state != "ok" else None, "degraded": self.stuck(),
+                "degraded_after_s": self.stuck_after}
 
 
 class Dispatcher:
@@ -281,6 +310,7 @@ class Dispatcher:
                 "store_errors": w.stats.store_errors,
                 "restarts": w.stats.restarts,
                 "stuck": w.stuck(),
+                "health": w.health(),
             }
         return {
             "store": {

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 
 from forwarder.emulator.faults import FAULT_KINDS, FAULT_PATHS, OUT_OF_RANGE_FIELDS
-from forwarder.errors import ConfigError, ForwarderError
+from forwarder.errors import ForwarderError, UsageError
 from forwarder.common.values import parse_duration, parse_size
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,11 @@ def register(subparsers: Any, prog: str | None = None) -> None:
     p.add_argument("--arm-tls", nargs=2, metavar=("CERT", "KEY"),
                    help="also serve Azure Resource Manager scheduled-event acknowledgement over HTTPS with this "
                         "certificate and key (PEM), on the --listen host")
-    p.add_argument("--arm-port", type=int, default=0, metavar="PORT", help="with --arm-tls: its port (default: any free)")
+    p.add_argument("--arm", action="store_true",
+                   help="also serve Azure Resource Manager acknowledgement over HTTPS with a certificate made now "
+                        "(a throwaway CA), and print the export lines `sefwd approve --via arm` needs")
+    p.add_argument("--arm-port", type=int, default=0, metavar="PORT",
+                   help="with --arm or --arm-tls: its port (default: any free)")
     p.add_argument("--exit-when-finished", action="store_true",
                    help="exit 0 once the scenario's last step ran and its events are gone")
     csub = p.add_subparsers(dest="emulator_command", title="control a running emulator (optional)",
@@ -169,9 +173,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         host, port = parse_listen(args.listen, bare_port_host="127.0.0.1")
     except ValueError as exc:
-        raise ConfigError([f"--listen: {exc}"]) from None
+        raise UsageError([f"--listen: {exc}"]) from None
     if not is_loopback(host) and not args.allow_remote:
-        raise ConfigError([f"--listen {args.listen} is not a loopback address: add --allow-remote to expose "
+        raise UsageError([f"--listen {args.listen} is not a loopback address: add --allow-remote to expose "
                            "the emulator (it has no authentication) to the network"])
     problems = []
     timings: dict[str, float | None] = {}
@@ -181,6 +185,8 @@ def run(args: argparse.Namespace) -> int:
             timings[key] = parse_duration(value) if value is not None else None
         except ValueError as exc:
             problems.append(f"--{key.replace('_', '-')}: {exc}")
+    if args.arm and args.arm_tls:
+        problems.append("--arm makes its own certificate: give --arm or --arm-tls CERT KEY, not both")
     if args.arm_tls:
         from forwarder.common.listen import tls_server_context
 
@@ -189,19 +195,29 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:  # ssl.SSLError included; never the files' content
             problems.append(f"--arm-tls: cannot load the certificate and key: {exc.strerror or type(exc).__name__}")
     if problems:
-        raise ConfigError(problems)
+        raise UsageError(problems)
     _setup_logging(getattr(args, "log_level", None))
     stop = threading.Event()
 
     def on_signal(signum: int, frame: object) -> None:
         stop.set()
 
+    arm_tls = tuple(args.arm_tls) if args.arm_tls else None
+    made = None
+    if args.arm:
+        from forwarder.emulator.arm_certs import make_arm_certificate
+
+        try:
+            made = make_arm_certificate()
+        except ImportError as exc:
+            raise UsageError([str(exc)]) from None
+        arm_tls = (str(made.cert), str(made.key))
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         emulator = Emulator(host, port, scenario=args.scenario, vms=args.vms, rate_limit=args.rate_limit or None,
                             time_scale=args.time_scale, first_call_delay=timings["first_call_delay"],
                             terminate_notice=timings["terminate_notice"], etag=args.etag,
-                            arm_tls=tuple(args.arm_tls) if args.arm_tls else None, arm_port=args.arm_port)
+                            arm_tls=arm_tls, arm_port=args.arm_port)
         try:
             emulator.start()
         except OSError as exc:  # a busy port, a missing permission: one line, not a traceback
@@ -210,9 +226,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"IMDS emulator at {emulator.url} (default VM {emulator.default_vm}; "
                   f"others at {emulator.url}/vm/<name>; control API {emulator.url}/_emulator/state)",
                   file=sys.stderr, flush=True)
-            if args.arm_tls:
+            if arm_tls is not None:
+                from forwarder.emulator.arm_certs import export_lines
+
                 print(f"Azure Resource Manager at {emulator.arm_url} (tokens from {emulator.url}"
                       "/metadata/identity/oauth2/token)", file=sys.stderr, flush=True)
+                vm = emulator.default_vm
+                resource = str(emulator.stats()["vms"][vm]["resourceId"])
+                # On stdout, alone: what a person pastes, or a script reads (`eval`), into another shell.
+                print("\n".join(export_lines(emulator.url, emulator.arm_url, made.ca if made else None, resource)),
+                      flush=True)
             while not stop.is_set():
                 if args.exit_when_finished and emulator.finished.is_set():
                     log.info("scenario finished, exiting")
@@ -225,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if made is not None:
+            made.remove()
     return 0
 
 

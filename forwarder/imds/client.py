@@ -16,6 +16,7 @@ so the agent stays under IMDS's 5 requests/s with headroom.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import random
@@ -34,7 +35,7 @@ import httptools
 from forwarder import __version__
 from forwarder.common.retry import RETRYABLE_STATUS, Backoff, parse_retry_after
 from forwarder.common.values import url_text
-from forwarder.errors import ConfigError, ImdsError, ImdsTimeout
+from forwarder.errors import ConfigError, ImdsError, ImdsTimeout, ImdsUnreachable
 
 if TYPE_CHECKING:
     import ssl
@@ -237,6 +238,8 @@ class ImdsClient:
         self._events_raw = self._plain_raw = self._pool.encode("GET", self.events_url, self._headers)
         self._etag: str | None = None
         self._answered = False  # until IMDS first answers, allow the long first-call timeout
+        # The latest request's failure (None once one is answered): the agent names it while it waits.
+        self.last_error: ImdsError | None = None
 
     @classmethod
     def from_config(cls, cfg: ImdsSettings, *, stop: threading.Event | None = None,
@@ -371,6 +374,18 @@ class ImdsClient:
             attempt += 1
 
     def _send(self, method: str, url: str, deadline: float, raw: bytes) -> _Response:
+        """One exchange; remembers its failure in ``last_error`` (None after an answer below 400)."""
+        try:
+            response = self._exchange(method, url, deadline, raw)
+        except ImdsError as exc:
+            if self.last_error is None or type(exc) is not type(self.last_error):
+                log.debug("IMDS %s %s: %s", method, url, exc)
+            self.last_error = exc
+            raise
+        self.last_error = self._status_error(method, url, response) if response.status >= 400 else None
+        return response
+
+    def _exchange(self, method: str, url: str, deadline: float, raw: bytes) -> _Response:
         if not self.budget.acquire(self._stop):
             raise ImdsError(f"stopped before IMDS {method} {url}", status=None, retryable=True)
         try:
@@ -384,6 +399,9 @@ class ImdsClient:
         except _TooLarge as exc:
             raise ImdsError(f"IMDS {method} {url}: answer refused: {exc}", status=None, retryable=True) from None
         except OSError as exc:
+            if _unreachable(exc):  # named at once: real IMDS never refuses (docs/operations.md)
+                raise ImdsUnreachable(f"IMDS {method} {url}: {_unreachable(exc)}", status=None,
+                                      retryable=True) from None
             raise ImdsError(f"IMDS {method} {url}: connection failed: {_reason(exc)}",
                             status=None, retryable=True) from None
         if response.interim:
@@ -405,6 +423,18 @@ class ImdsClient:
             retryable=status in IMDS_RETRYABLE_STATUS,
             retry_after=parse_retry_after(response.headers.get("retry-after")),
         )
+
+
+def _unreachable(exc: OSError) -> str:
+    """Why nothing can answer at the address (refused, no route, unknown name), or "" for other failures."""
+    check = "check [imds] endpoint (SEFWD_IMDS_ENDPOINT)"
+    if isinstance(exc, socket.gaierror):
+        return f"the host name does not resolve ({exc.strerror or exc}); {check}"
+    if isinstance(exc, ConnectionRefusedError) or exc.errno == errno.ECONNREFUSED:
+        return f"connection refused: nothing listens there (real IMDS never refuses a connection); {check}"
+    if exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EADDRNOTAVAIL):
+        return f"unreachable from this machine ({exc.strerror}); IMDS answers only inside an Azure VM; {check}"
+    return ""
 
 
 def _reason(exc: BaseException) -> str:

@@ -80,11 +80,14 @@ def test_status_deadletter_list_and_replay(tmp_path):
         wait_until(lambda: any(d.record.to_dict().get("subject") == event_id for d in store.dead_letters("hook")),
                    60, "dead letter")
         wait_until(lambda: store.meta().get("status"), 30, "status report")
-        status = sefwd("status", "--config", str(config), "--json")
-        assert status.returncode == 0
+        # A sink sending records to dead letters makes the agent degraded (issue 32): exit 4, the latest error
+        # named, once the report (rewritten within status_interval of a change) says so
+        status = wait_until(lambda: (res := sefwd("status", "--config", str(config), "--json")).returncode == 4 and res,
+                            30, "status to say degraded")
         st = orjson.loads(status.stdout)
         assert st["running"] is True and st["dead_letters"]["hook"] >= 2
-        assert st["health"] == {"state": "healthy", "reasons": []}  # dead letters are kept, not a fault
+        assert st["health"]["state"] == "degraded"
+        assert [r for r in st["health"]["reasons"] if "sink hook is dead-lettering" in r and "http_400" in r]
         assert [e["EventId"] for e in st["current_events"]] == [event_id]
         human = sefwd("status", "--config", str(config))
         assert "sink hook" in human.stdout and event_id in human.stdout
