@@ -18,7 +18,8 @@ from benchmarks.common import MODES, machine_info, results_file
 from benchmarks.footprint import HOSTILE_RETURN_MIB, HOSTILE_RSS_GOAL_MIB
 from benchmarks.plots import draw
 
-BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send", "probe")
+BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send", "probe",
+              "action_wakeup")
 
 
 def _at(value: Any, path: str) -> Any:
@@ -67,6 +68,11 @@ SUMMARY: dict[str, dict[str, str] | str] = {
     "probe": {"answer_p50_ms": "probe.answer_ms.p50", "answer_p99_ms": "probe.answer_ms.p99",
               "route_p99_us": "probe.route_us.p99", "flip_p50_ms": "probe.flip_ms.p50",
               "flip_p99_ms": "probe.flip_ms.p99", "poll_interval_ms": "probe.flip_ms.poll_interval_ms"},
+    # A due action's wake-up with every other worker busy, the workers' wait before and after issue 28's fix.
+    "action_wakeup_ms": {"before_p99": "action_wakeup.workers_8.descheduled.before.p99_ms",
+                         "after_p99": "action_wakeup.workers_8.descheduled.after.p99_ms",
+                         "before_missed": "action_wakeup.workers_8.descheduled.before.missed_wakeups",
+                         "after_missed": "action_wakeup.workers_8.descheduled.after.missed_wakeups"},
 }
 
 

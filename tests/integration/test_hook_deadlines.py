@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -116,13 +117,13 @@ def test_a_hook_ignoring_sigterm_is_gone_by_notbefore_less_the_margin(tmp_path: 
             both = emu.schedule(type="Reboot", resources=["myVM"], start_after=9)
             child = emu.schedule(type="Redeploy", resources=["myVM"], start_after=9)
             last = {e: not_before(out, e, "scheduled") - MARGIN for e in (both, child)}
-            for event_id in (both, child):
-                wait_until(lambda e=event_id: pids(tmp_path / e), 30, "the hook and its child")
-                assert not any(gone(p) for p in pids(tmp_path / event_id))
+            for where in (tmp_path / both, tmp_path / child):
+                procs = wait_until(partial(pids, where), 30, "the hook and its child")
+                assert not any(gone(p) for p in procs)
             # (asserted from the process table at that moment: no sleep decides the outcome)
-            assert_gone_by(min(last.values()), tmp_path / both, ("hook", "child"))
-            assert_gone_by(max(last.values()), tmp_path / child, ("child",))
-            ran = {e: wait_until(lambda e=e: audits(out, "ran", e), 30, "the outcome") for e in (both, child)}
+            assert_gone_by(last[both], tmp_path / both, ("hook", "child"))
+            assert_gone_by(last[child], tmp_path / child, ("child",))
+            ran = {e: wait_until(partial(audits, out, "ran", e), 30, "the outcome") for e in (both, child)}
             assert agent.terminate() == 0
         finally:
             if agent.alive():
