@@ -16,7 +16,7 @@ process (and those ``reconsider`` planned from the saved document) wait until th
 committed a current document (``checked``) — its planner supersedes the rows of events that
 changed or left meanwhile — and only then are promoted and claimed.
 
-Deadlines are hard (docs/approvals.md, "Deadlines"): a hook with a deadline (its event's
+Deadlines are hard (docs/approvals.md, "Deadlines are hard"): a hook with a deadline (its event's
 NotBefore) is gone by ``NotBefore − deadline_margin``: SIGKILL to its process group KILL_LEAD
 before that, SIGTERM ``grace_for`` the time it has before the SIGKILL (5 s at most) or after
 ``hook_timeout``, whichever comes first; ``SEFWD_DEADLINE`` is the SIGTERM. A hook whose last

@@ -71,12 +71,11 @@ def not_before(out: Path, event_id: str, kind: str) -> float:
     return epoch(record["data"]["NotBefore"])
 
 
-def approval(hook: str, extra: str = "") -> str:
+def approval(hook: str, margin: float = MARGIN) -> str:
     return f'''
 [approval]
 hook_timeout = "5m"
-deadline_margin = "{MARGIN:g}s"
-{extra}
+deadline_margin = "{margin:g}s"
 [approval.hooks]
 scheduled = ["{hook}"]
 '''
@@ -195,3 +194,29 @@ def test_rows_left_by_a_killed_agent_wait_for_the_first_poll(tmp_path: Path) -> 
     assert superseded["data"]["Reason"].startswith("event_")
     states = {r["event_id"]: r["state"] for r in action_rows(tmp_path)}
     assert states[left] == "superseded"
+
+
+def test_a_hook_whose_last_moment_has_passed_does_not_run_and_its_approval_is_held(tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    hook = script(tmp_path, "drain.sh", f'echo ran >> {marks}/$SEFWD_EVENT_ID\n')
+    rules = '''
+[[approval.rules]]
+name = "drain-then-approve"
+event_type = "Reboot"
+action = "approve"
+after_hooks = true
+'''
+    with Emulator(vms=["myVM"], rate_limit=None) as emu:
+        agent = AgentProcess(config(tmp_path, emu, approval(str(hook), margin=30) + rules), tmp_path / "a.log")
+        out = tmp_path / "out.jsonl"
+        late = emu.schedule(type="Reboot", resources=["myVM"], start_after=20)  # NotBefore - 30 s has passed
+        early = emu.schedule(type="Redeploy", resources=["myVM"], start_after=600)  # in time: it runs
+        (skipped,) = wait_until(lambda: audits(out, "skipped", late), 60, "the late hook's outcome")
+        (held,) = wait_until(lambda: audits(out, "held", late), 60, "the approval held")
+        wait_until(lambda: (marks / early).is_file(), 60, "the other hook")
+        assert agent.terminate() == 0
+    assert (skipped["data"]["Reason"], skipped["data"]["Action"]["State"]) == ("deadline_passed", "failed")
+    assert held["data"]["Reason"] == "hook_failed"
+    assert not (marks / late).exists() and (marks / early).read_text() == "ran\n"
+    assert emu.stats()["start_requests"] == []
