@@ -19,7 +19,7 @@ from benchmarks.footprint import HOSTILE_RETURN_MIB, HOSTILE_RSS_GOAL_MIB
 from benchmarks.plots import draw
 
 BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send", "probe",
-              "approver_state")
+              "approver_state", "action_wakeup")
 
 
 def _at(value: Any, path: str) -> Any:
@@ -73,6 +73,11 @@ SUMMARY: dict[str, dict[str, str] | str] = {
                                "table_1": "approver_state.records_per_s.table_1",
                                "table_2": "approver_state.records_per_s.table_2",
                                "table_4": "approver_state.records_per_s.table_4"},
+    # A due action's wake-up with every other worker busy, the workers' wait before and after issue 28's fix.
+    "action_wakeup_ms": {"before_p99": "action_wakeup.workers_8.descheduled.before.p99_ms",
+                         "after_p99": "action_wakeup.workers_8.descheduled.after.p99_ms",
+                         "before_missed": "action_wakeup.workers_8.descheduled.before.missed_wakeups",
+                         "after_missed": "action_wakeup.workers_8.descheduled.after.missed_wakeups"},
 }
 
 

@@ -240,8 +240,9 @@ APPROVAL_FLAT: dict[str, tuple[str, Any]] = {
                           "4KiB"),
     "dry_run": ("true: plan, audit and log every hook run and approval (marked DryRun), perform none "
                 "(also: sefwd run --dry-run).", False),
-    "deadline_margin": ("A hook for an event still to come must end this long before NotBefore: its timeout is "
-                        "the smaller of hook_timeout and the time left less this margin.", "5s"),
+    "deadline_margin": ("A hook for an event still to come is gone (SIGKILL to its process group) this long "
+                        "before NotBefore, whatever hook_timeout says; SEFWD_DEADLINE tells it when SIGTERM comes.",
+                        "5s"),
     "workers": ("Actions (hook runs, approvals) running at once; more wait in the store, never in the poll loop "
                 "(no environment override).", 8),
     "hook_env": ("Hooks inherit only PATH, HOME, LANG, LC_ALL, TZ and TMPDIR from the agent, plus the variables "

@@ -114,6 +114,9 @@ class Poller:
         # After every cycle's poll, with the committed document (the same object when nothing changed):
         # the maintenance state (forwarder.agent.maintenance) follows the commits and the clock.
         self.on_document: Callable[[Document | None], object] | None = None
+        # After a poll whose document is committed (unchanged, or changed and committed): the action
+        # workers wait for the first one before they run what a previous process left (approval.runner).
+        self.on_checked: Callable[[Document | None], object] | None = None
 
     # -- one cycle -------------------------------------------------------------------------
     def poll_once(self) -> float:
@@ -142,6 +145,7 @@ class Poller:
                 self.evidence.document_seen(started_wall.timestamp())
                 # Once per process: the saved document was seen by this process, at this boot.
                 self._emit(lambda: [])
+            self._checked()
             self._notify()
             return self.poll_interval
         try:
@@ -191,8 +195,16 @@ class Poller:
             self.stats.records += len(changes)
             if changes and self.on_changes is not None:
                 self.on_changes(changes, built)
+            self._checked()
         self._notify()
         return self.poll_interval
+
+    def _checked(self) -> None:
+        if self.on_checked is not None:
+            try:
+                self.on_checked(self.current)
+            except Exception as exc:  # noqa: BLE001 - a listener must not cost the poll
+                self._count_cycle_error(exc)
 
     # -- audit entries from other threads and from `sefwd approve` -------------------------
     def submit_audit(self, entry: dict[str, Any]) -> None:

@@ -165,6 +165,7 @@ class Agent:
                                     lambda: poller.factory.vm, self.stop,
                                     on_outcome=self.telemetry.action_finished).start()
         poller.on_changes = self.actions.wake
+        poller.on_checked = self.actions.checked  # recovered rows run after the first poll checked them
         # Its own IMDS client: approvals run on other threads, and a client's pooled connections are not shared.
         client = ImdsClient.from_config(self.config.imds, stop=self.stop)
         self.approver = approver = Approver(ap, client, lambda: poller.factory.vm, poller.submit_audit,

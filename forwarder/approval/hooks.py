@@ -5,6 +5,10 @@ A hook inherits none of the agent's environment but ``PATH`` and the few names o
 callback secret, sink credentials) stay with the agent. Output (stdout and stderr together) is
 kept up to a limit and redacted like every log line; a hook that runs too long, or is still
 running when the agent stops, is terminated with its whole process group.
+
+When: a ``HookDeadline`` holds the two moments (monotonic) — SIGTERM to the group at ``term_at``,
+SIGKILL to whatever of the group is left at ``kill_at`` — and another thread may move both
+earlier while the hook runs (``tighten``: Azure moved NotBefore closer).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +32,8 @@ from forwarder.common.logs import MASK, redact
 
 log = logging.getLogger(__name__)
 
-KILL_GRACE = 5.0  # SIGTERM, then SIGKILL this much later
+KILL_GRACE = 5.0  # SIGTERM, then SIGKILL this much later (less when the hook's time is short)
+GRACE_SHARE = 0.2  # with a hard deadline, SIGTERM comes at the latest this share of the time before SIGKILL
 # After the hook exits, a background child may still hold the output pipe open; stop reading soon.
 OUTPUT_GRACE = 0.5
 _CHUNK = 65536
@@ -142,6 +147,50 @@ class _Output:
         return text
 
 
+def grace_for(budget: float) -> float:
+    """SIGTERM to SIGKILL when the hook has ``budget`` seconds in all: KILL_GRACE, or a fifth of the budget."""
+    return max(0.0, min(KILL_GRACE, budget * GRACE_SHARE))
+
+
+class HookDeadline:
+    """When a running hook gets SIGTERM and when SIGKILL (``time.monotonic()`` seconds); thread-safe."""
+
+    def __init__(self, term_at: float, kill_at: float) -> None:
+        self._lock = threading.Lock()
+        self._term_at = min(term_at, kill_at)
+        self._kill_at = kill_at
+
+    @classmethod
+    def after(cls, timeout: float, now: float | None = None) -> HookDeadline:
+        """SIGTERM ``timeout`` from now, SIGKILL KILL_GRACE after it (no hard deadline)."""
+        start = time.monotonic() if now is None else now
+        return cls(start + timeout, start + timeout + KILL_GRACE)
+
+    @classmethod
+    def by(cls, kill_at: float, timeout: float, now: float | None = None) -> HookDeadline:
+        """Gone by ``kill_at`` whatever happens: SIGTERM after ``timeout`` or ``grace_for`` the time left
+        before ``kill_at`` (whichever comes first), SIGKILL KILL_GRACE after SIGTERM or at ``kill_at``."""
+        start = time.monotonic() if now is None else now
+        term_at = min(start + timeout, kill_at - grace_for(kill_at - start))
+        return cls(term_at, min(term_at + KILL_GRACE, kill_at))
+
+    def times(self) -> tuple[float, float]:
+        """(term_at, kill_at)."""
+        with self._lock:
+            return self._term_at, self._kill_at
+
+    def tighten(self, kill_at: float, now: float | None = None) -> bool:
+        """The hook must be gone by ``kill_at`` now (only ever earlier): SIGTERM moves with it, keeping
+        ``grace_for`` the time left between the two. False when ``kill_at`` is not earlier."""
+        start = time.monotonic() if now is None else now
+        with self._lock:
+            if kill_at >= self._kill_at:
+                return False
+            self._kill_at = kill_at
+            self._term_at = min(self._term_at, kill_at - grace_for(kill_at - start))
+            return True
+
+
 def _signal_group(pgid: int, signum: int) -> bool:
     try:
         os.killpg(pgid, signum)
@@ -156,22 +205,21 @@ def _group_alive(pgid: int) -> bool:
     return _signal_group(pgid, 0)
 
 
-def _terminate_group(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the hook's process group, SIGKILL it if anything is left after KILL_GRACE."""
+def _terminate_group(proc: subprocess.Popen[bytes], kill_at: Callable[[], float]) -> None:
+    """SIGTERM the hook's process group, SIGKILL it if anything is left at ``kill_at()`` (re-read each tick)."""
     pgid = proc.pid  # start_new_session: the hook leads its own group
     if not _signal_group(pgid, signal.SIGTERM):
         proc.poll()
         return
-    deadline = time.monotonic() + KILL_GRACE
-    while time.monotonic() < deadline:
+    while (left := kill_at() - time.monotonic()) > 0:
         try:
-            proc.wait(timeout=_TICK)
+            proc.wait(timeout=min(_TICK, left))
         except subprocess.TimeoutExpired:
             continue
-        # The leader is reaped; children of the group may still be running.
+        # The leader is reaped; children of the group may still be running (one may ignore SIGTERM).
         if not _group_alive(pgid) or _only_zombies(pgid):
             return
-        threading.Event().wait(_TICK)
+        threading.Event().wait(max(0.0, min(_TICK, kill_at() - time.monotonic())))
     _signal_group(pgid, signal.SIGKILL)
     try:
         proc.wait(timeout=KILL_GRACE)
@@ -204,24 +252,32 @@ def run_hook(
     command: Sequence[str] | str,
     record: Mapping[str, Any],
     *,
-    timeout: float,
+    timeout: float | None = None,
     output_limit: int,
     stop: threading.Event | None = None,
     extra_env: Mapping[str, str] | None = None,
     env_allow: Sequence[str] = (),
+    deadline: HookDeadline | None = None,
 ) -> HookResult:
     """Run ``command`` for ``record`` and report how it went; never raises.
 
+    ``deadline`` says when SIGTERM and SIGKILL come (and may be tightened while the hook runs);
+    without it, SIGTERM after ``timeout`` and SIGKILL KILL_GRACE later. A stop sends SIGTERM at once
+    and SIGKILL KILL_GRACE later (never after the deadline's SIGKILL).
     The environment: ``base_env(env_allow)``, the ``SEFWD_*`` event variables, then ``extra_env``.
     """
     started = time.monotonic()
     shown = ""
     try:
         shown = describe_command(command)
+        if deadline is None:
+            if timeout is None:
+                raise ValueError("run_hook needs a timeout or a deadline")
+            deadline = HookDeadline.after(timeout, started)
         env = base_env(env_allow)
         env.update(hook_env(record))
         env.update(extra_env or {})
-        return _run(command, shown, record, timeout, output_limit, stop or threading.Event(), env, started)
+        return _run(command, shown, record, deadline, output_limit, stop or threading.Event(), env, started)
     except Exception as exc:  # a hook must never take the approver thread down
         log.exception("hook %s failed to run", shown)
         return HookResult(shown, None, False, "", time.monotonic() - started, f"{type(exc).__name__}: {exc}")
@@ -231,7 +287,7 @@ def _run(
     command: Sequence[str] | str,
     shown: str,
     record: Mapping[str, Any],
-    timeout: float,
+    limit: HookDeadline,
     output_limit: int,
     stop: threading.Event,
     env: dict[str, str],
@@ -262,10 +318,11 @@ def _run(
         sel.register(in_fd, selectors.EVENT_WRITE)
         stdin_open = True
         written = 0
-        deadline = started + timeout
         exited_at: float | None = None
+        stopped_at: float | None = None
         while True:
             now = time.monotonic()
+            deadline = limit.times()[0]  # (re-read: another thread may have moved it earlier)
             # Once the hook has exited it is never signalled: its process group id may be gone.
             if proc.poll() is not None:
                 if out_fd not in sel.get_map():
@@ -277,6 +334,7 @@ def _run(
                     break
             elif stop.is_set():
                 error = "interrupted: the agent is stopping"
+                stopped_at = now
                 break
             elif now >= deadline:
                 timed_out = True
@@ -307,14 +365,17 @@ def _run(
             _close(proc.stdin)
         if timed_out or error is not None:
             log.warning("hook %s %s; terminating its process group", shown, "timed out" if timed_out else "interrupted")
-            _terminate_group(proc)
+            # (a stop leaves KILL_GRACE before SIGKILL, unless the deadline's SIGKILL comes first)
+            last = float("inf") if stopped_at is None else stopped_at + KILL_GRACE
+            _terminate_group(proc, lambda: min(last, limit.times()[1]))
             _drain(out_fd, output)
     finally:
         sel.close()
         _close(proc.stdout)
         if proc.poll() is None and not timed_out and error is None:
             # Only reached when something above raised: leave no hook behind.
-            _terminate_group(proc)
+            last = time.monotonic() + KILL_GRACE
+            _terminate_group(proc, lambda: min(last, limit.times()[1]))
     return HookResult(shown, proc.returncode, timed_out, output.text(), time.monotonic() - started, error)
 
 

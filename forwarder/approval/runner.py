@@ -10,6 +10,21 @@ be Scheduled, unchanged since the rule saw it, and still matched by that rule; o
 action is ``superseded``. The row is marked ``posting`` (committed) before the POST: after a
 crash, IMDS says what happened (Started: the approval took effect, audited once; still
 Scheduled: it never arrived, and the re-checked approval is posted).
+
+Nothing runs before the first poll: rows left ``planned``, ``due`` or ``running`` by a previous
+process (and those ``reconsider`` planned from the saved document) wait until the poller has
+committed a current document (``checked``) — its planner supersedes the rows of events that
+changed or left meanwhile — and only then are promoted and claimed.
+
+Deadlines are hard (docs/approvals.md, "Deadlines are hard"): a hook with a deadline (its event's
+NotBefore) is gone by ``NotBefore − deadline_margin``: SIGKILL to its process group KILL_LEAD
+before that, SIGTERM ``grace_for`` the time it has before the SIGKILL (5 s at most) or after
+``hook_timeout``, whichever comes first; ``SEFWD_DEADLINE`` is the SIGTERM. A hook whose last
+moment has passed before a worker took it does not run (``failed``, ``Reason: deadline_passed``).
+When Azure moves NotBefore earlier, ``checked(document)`` (every committed document) moves the
+deadline of every open hook row of that event, and a running hook's SIGTERM and SIGKILL with it;
+``tighten_deadline(action_id, not_before)`` does the same for one action (e.g. a drain of this
+VM's hold, from the document the hold was computed from).
 """
 from __future__ import annotations
 
@@ -21,15 +36,16 @@ from datetime import datetime, timezone
 from typing import Any
 
 from forwarder.approval.approver import APPROVED, FAILED, HELD, REFUSED
-from forwarder.approval.hooks import describe_command, run_hook
+from forwarder.approval.hooks import HookDeadline, describe_command, run_hook
 from forwarder.approval.planner import RAN, SKIPPED, SUPERSEDED, action_audit
 from forwarder.approval.policy import APPROVE, decide
 from forwarder.approval.scope import scope_refusal
 from forwarder.approval.settings import ApprovalConfig
+from forwarder.approval.wakeup import Wakeup
 from forwarder.errors import DocumentError, ForwarderError, ImdsError
 from forwarder.imds.client import ImdsClient
 from forwarder.imds.differ import changed_fields
-from forwarder.imds.document import Event, parse_document, parse_event
+from forwarder.imds.document import Document, Event, parse_document, parse_event
 from forwarder.imds.identity import VmIdentity
 from forwarder.records import rfc3339
 from forwarder.store import actions as rows
@@ -39,7 +55,9 @@ from forwarder.store.database import Store, put_approvals
 
 log = logging.getLogger(__name__)
 
-MIN_HOOK_TIMEOUT = 1.0  # a hook started after its deadline still gets this long
+# SIGKILL this long before NotBefore − deadline_margin, so that the hook is gone by then even when a
+# busy machine wakes this thread late (the kill itself takes microseconds).
+KILL_LEAD = 0.5
 MAX_ATTEMPTS = 5  # an action that keeps ending the agent (or failing to reach IMDS) gives up
 IMDS_RETRY = 5.0  # an approval whose fresh document could not be read is tried again this much later
 IDLE_WAIT = 30.0
@@ -68,14 +86,26 @@ class ActionRunner:
         self.clock = clock
         self.on_outcome = on_outcome  # (kind, final state) of every finished action: metrics
         self._wake = threading.Event()
-        self._work = threading.Condition()
+        self._work = Wakeup()  # the scheduler's "due rows are there" to the workers
         self._threads: list[threading.Thread] = []
+        # Set by the first checked(): until then no row is promoted or claimed (see the module docstring).
+        self._checked = threading.Event()
+        self._followed: Document | None = None  # the last document checked() followed
+        self._running: dict[int, HookDeadline] = {}  # hooks running now, by action id
+        self._running_lock = threading.Lock()
+        self._posting_left: list[int] = []  # approvals a previous process left posting: due after the first poll
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> ActionRunner:
-        recovered = rows.recover(self.store, self.clock())
-        if recovered:
-            log.warning("%d action(s) were running when the agent stopped: taking them up again", recovered)
+        # Left running by a previous process: due again, so that the first poll's planner can supersede
+        # them when their event changed or left meanwhile; but an approval that may have been posted
+        # stays running until that poll is committed (then it is due, and IMDS says what happened).
+        left = rows.left_running(self.store)
+        self._posting_left = [a.id for a in left if a.phase == POSTING]
+        rows.make_due(self.store, [a.id for a in left if a.phase != POSTING], self.clock())
+        if left:
+            log.warning("%d action(s) were running when the agent stopped: taking them up again after the first poll",
+                        len(left))
         self._threads.append(threading.Thread(target=self._schedule, name="actions-scheduler", daemon=True))
         for n in range(self.config.workers):
             self._threads.append(threading.Thread(target=self._worker, name=f"action-worker-{n}", daemon=True))
@@ -87,11 +117,58 @@ class ActionRunner:
         """Something was planned or finished: look at the store now."""
         self._wake.set()
 
+    def checked(self, document: Document | None = None) -> None:
+        """A poll's document is committed (after the planner re-checked the open rows against it):
+        open hook rows follow its NotBefore, and the first call lets the rows recovered at start run."""
+        if document is not None and document is not self._followed:
+            self._followed = document
+            try:
+                self._follow(document)
+            except ForwarderError as exc:
+                log.error("cannot move the deadlines of running hooks: %s", exc)
+        if not self._checked.is_set():
+            try:
+                rows.make_due(self.store, self._posting_left, self.clock())
+            except ForwarderError as exc:
+                log.error("cannot take up the approvals left posting: %s", exc)
+                return  # the next committed poll tries again
+            self._checked.set()
+            self.wake()
+            self._work.notify_all()
+
+    def tighten_deadline(self, action_id: int, not_before: float) -> bool:
+        """Action ``action_id`` must now be over by ``not_before`` (epoch seconds) less deadline_margin,
+        when that is earlier than its deadline: the row's deadline moves (committed) and, if it is a
+        hook running now, its SIGTERM and SIGKILL too. True when something moved."""
+        moved = rows.tighten(self.store, action_id, not_before, self.clock())
+        with self._running_lock:
+            limit = self._running.get(action_id)
+        if limit is not None:
+            now, mono = self.clock(), time.monotonic()
+            moved = limit.tighten(mono + self.kill_time(not_before) - now, mono) or moved
+        if moved:
+            log.warning("action %d: NotBefore moved earlier (%s): its deadline follows", action_id,
+                        rfc3339(datetime.fromtimestamp(not_before, timezone.utc)))
+        return moved
+
+    def _follow(self, document: Document) -> None:
+        """Open hook rows whose event's NotBefore is now earlier than their deadline: tightened."""
+        events = {e.event_id.lower(): e for e in document.events if e.not_before is not None and not e.started}
+        if not events:
+            return
+        with self.store.transaction() as c:
+            open_rows = rows.rows(c, "kind != ? AND state IN ('planned', 'due', 'running') AND deadline IS NOT NULL",
+                                  (APPROVE_KIND,))
+        for row in open_rows:
+            event = events.get(row.event_id.lower())
+            if event is not None and event.not_before is not None and row.deadline is not None \
+                    and event.not_before.timestamp() < row.deadline:
+                self.tighten_deadline(row.id, event.not_before.timestamp())
+
     def close(self, timeout: float = 8.0) -> None:
         """Stop (``stop`` must be set): running hooks are terminated and their rows left to rerun."""
         self._wake.set()
-        with self._work:
-            self._work.notify_all()
+        self._work.notify_all()
         end = time.monotonic() + timeout
         for thread in self._threads:
             thread.join(max(0.0, end - time.monotonic()))
@@ -103,6 +180,10 @@ class ActionRunner:
     def _schedule(self) -> None:
         next_prune = 0.0
         while not self.stop.is_set():
+            if not self._checked.is_set():  # the first poll has not checked the rows yet
+                if self._wake.wait(IDLE_WAIT):
+                    self._wake.clear()
+                continue
             wait = IDLE_WAIT
             try:
                 now = self.clock()
@@ -119,8 +200,7 @@ class ActionRunner:
                     wait = 1.0 if left <= 0 else min(IDLE_WAIT, max(0.05, left))
                 waiting = self.store.query("SELECT count(*) FROM actions WHERE state = 'due'")[0][0]
                 if waiting:
-                    with self._work:
-                        self._work.notify(int(waiting))
+                    self._work.notify(int(waiting))
             except ForwarderError as exc:
                 log.error("action scheduler: %s", exc)
                 wait = 1.0
@@ -132,14 +212,16 @@ class ActionRunner:
         client: ImdsClient | None = None
         try:
             while not self.stop.is_set():
-                try:
-                    action = rows.claim(self.store, self.clock())
-                except ForwarderError as exc:
-                    log.error("cannot take an action from the store: %s", exc)
-                    action = None
+                # Marked before the look: a notify between the look and the wait is not slept through.
+                mark = self._work.mark()
+                action = None
+                if self._checked.is_set():
+                    try:
+                        action = rows.claim(self.store, self.clock())
+                    except ForwarderError as exc:
+                        log.error("cannot take an action from the store: %s", exc)
                 if action is None:
-                    with self._work:
-                        self._work.wait(IDLE_WAIT)
+                    self._work.wait(mark, IDLE_WAIT, self.stop)
                     continue
                 if client is None and action.kind == APPROVE_KIND:
                     client = self._imds()
@@ -179,7 +261,8 @@ class ActionRunner:
                 self.store.inbox_put(c, entry)
                 if approved is not None:
                     put_approvals(c, [approved], now)
-        level = logging.INFO if state == rows.DONE or entry["Outcome"] == SKIPPED else logging.WARNING
+        level = logging.INFO if state == rows.DONE or (entry["Outcome"] == SKIPPED and state == rows.SKIPPED) \
+            else logging.WARNING
         log.log(level, "%saction %d (%s %s for %s): %s (%s)", "dry run: " if action.dry_run else "", action.id,
                 action.kind, action.hook or action.rule or "", action.event_id, entry["Outcome"], entry["Reason"])
         if self.on_outcome is not None:
@@ -189,15 +272,24 @@ class ActionRunner:
                 log.exception("action outcome observer failed")
 
     # -- hooks and undo hooks ----------------------------------------------------------------
-    def hook_limits(self, action: Action, now: float) -> tuple[float, dict[str, str]]:
-        """The hook's timeout and its deadline variables: the smaller of hook_timeout and the time
-        left before NotBefore less deadline_margin (at least MIN_HOOK_TIMEOUT)."""
-        timeout = self.config.hook_timeout
-        if action.deadline is not None:
-            timeout = min(timeout, max(MIN_HOOK_TIMEOUT, action.deadline - self.config.deadline_margin - now))
-        end = datetime.fromtimestamp(now + timeout, timezone.utc)
-        return timeout, {"SEFWD_DEADLINE": rfc3339(end) or "", "SEFWD_SECONDS_LEFT": str(int(timeout)),
-                         "SEFWD_ACTION_ID": str(action.id)}
+    def kill_time(self, not_before: float) -> float:
+        """When a hook for an event at ``not_before`` gets SIGKILL (epoch seconds)."""
+        return not_before - self.config.deadline_margin - KILL_LEAD
+
+    def hook_deadline(self, action: Action, now: float, mono: float) -> HookDeadline | None:
+        """When the hook gets SIGTERM and SIGKILL (monotonic); None when its last moment has passed."""
+        if action.deadline is None:
+            return HookDeadline.after(self.config.hook_timeout, mono)
+        left = self.kill_time(action.deadline) - now
+        return HookDeadline.by(mono + left, self.config.hook_timeout, mono) if left > 0 else None
+
+    @staticmethod
+    def hook_variables(action: Action, limit: HookDeadline, now: float, mono: float) -> dict[str, str]:
+        """``SEFWD_DEADLINE`` (RFC 3339) and ``SEFWD_SECONDS_LEFT``: when SIGTERM comes; ``SEFWD_ACTION_ID``."""
+        left = max(0.0, limit.times()[0] - mono)
+        end = datetime.fromtimestamp(now + left, timezone.utc)
+        return {"SEFWD_DEADLINE": rfc3339(end) or "", "SEFWD_SECONDS_LEFT": str(int(left)),
+                "SEFWD_ACTION_ID": str(action.id)}
 
     def _hook(self, action: Action) -> None:
         spec = self.config.hooks.get(action.hook or "")
@@ -213,9 +305,27 @@ class ActionRunner:
         if self.stop.is_set():  # taken just as the agent stops: it runs at the next start
             rows.release(self.store, action.id, now, now)
             return
-        timeout, env = self.hook_limits(action, now)
-        result = run_hook(spec.command, action.record or {}, timeout=timeout, output_limit=self.config.hook_output_limit,
-                          stop=self.stop, extra_env=env, env_allow=self.config.hook_env)
+        mono = time.monotonic()
+        limit = self.hook_deadline(action, now, mono)
+        if limit is None:  # too late: it would not be gone by NotBefore − deadline_margin
+            self._finish(action, rows.FAILED, action_audit(
+                SKIPPED, "deadline_passed", action, state=rows.FAILED,
+                Detail=f"not run: NotBefore less deadline_margin ({self.config.deadline_margin:g} s) had passed "
+                       f"when a worker took it"))
+            return
+        with self._running_lock:
+            self._running[action.id] = limit
+        try:
+            # A tighten_deadline() between the claim and the line above moved only the row: read it again.
+            fresh = self._get(action.id)
+            if fresh is not None and fresh.deadline is not None and (action.deadline is None or fresh.deadline < action.deadline):
+                limit.tighten(mono + self.kill_time(fresh.deadline) - now, mono)
+            env = self.hook_variables(action, limit, now, mono)
+            result = run_hook(spec.command, action.record or {}, deadline=limit, output_limit=self.config.hook_output_limit,
+                              stop=self.stop, extra_env=env, env_allow=self.config.hook_env)
+        finally:
+            with self._running_lock:
+                self._running.pop(action.id, None)
         if self.stop.is_set() and not result.ok and not result.timed_out:
             # Interrupted by the agent stopping: the row stays to run again at the next start.
             rows.release(self.store, action.id, self.clock(), self.clock())

@@ -206,10 +206,34 @@ def release(store: Store, action_id: int, due: float, now: float) -> None:
                   (due, now, action_id))
 
 
+def tighten(store: Store, action_id: int, deadline: float, now: float) -> bool:
+    """An open row's deadline moves earlier (never later); True when it moved."""
+    with store.transaction() as c:
+        return c.execute("UPDATE actions SET deadline = ?, updated = ? WHERE id = ? AND state IN "
+                         "('planned', 'due', 'running') AND (deadline IS NULL OR deadline > ?)",
+                         (deadline, now, action_id, deadline)).rowcount == 1
+
+
 def recover(store: Store, now: float) -> int:
     """At start: rows a crash left ``running`` are due again (their phase says what may have happened)."""
     with store.transaction() as c:
         return c.execute("UPDATE actions SET state = 'due', updated = ? WHERE state = 'running'", (now,)).rowcount
+
+
+def left_running(store: Store) -> list[Action]:
+    """Rows a previous process left ``running`` (read at start, before anything of this process runs)."""
+    with store.transaction() as c:
+        return rows(c, "state = 'running'")
+
+
+def make_due(store: Store, ids: list[int], now: float) -> int:
+    """These ``running`` rows are due again (recovery, in two steps: see approval.runner)."""
+    if not ids:
+        return 0
+    with store.transaction() as c:
+        marks = ",".join("?" * len(ids))
+        return c.execute(f"UPDATE actions SET state = 'due', updated = ? WHERE state = 'running' AND id IN ({marks})",
+                         (now, *ids)).rowcount
 
 
 def prune(store: Store, before: float) -> int:
