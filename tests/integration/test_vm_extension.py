@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 EXT_SRC = REPO / "deploy" / "vm-extension"
 HANDLER = EXT_SRC / "handler.py"
 WEBHOOK_SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+# What enable and disable hand the service manager: the agent and the root timer that copies its heartbeat.
+UNITS = "sefwd.service sefwd-extension-heartbeat.timer"
 TRICKY = 'a "quoted" $HOME `cmd` back\\slash  two  spaces;Endpoint=sb://x/;Key=abc='
 
 PUBLIC = {
@@ -195,7 +197,7 @@ def test_enable_writes_a_checked_config_and_secret_env_then_restarts(ext: Ext) -
     assert "restarted" in status["formattedMessage"]["message"]
     during = json.loads(ext.snapshot.read_text())[0]["status"]
     assert (during["operation"], during["status"]) == ("Enable", "transitioning")
-    assert ext.calls() == ["enable sefwd.service", "restart sefwd.service"]
+    assert ext.calls() == [f"enable {UNITS}", f"restart {UNITS}"]
 
     assert tomllib.loads(ext.config.read_text()) == PUBLIC
     assert stat.S_IMODE(ext.env_file.stat().st_mode) == 0o600
@@ -219,12 +221,12 @@ def test_enable_is_idempotent_and_restarts_once_per_change(ext: Ext) -> None:
     ext.settings(0, PUBLIC)
     _ok(ext.run("enable"))
     _ok(ext.run("enable"))  # a reboot: same settings
-    assert ext.calls() == ["enable sefwd.service", "restart sefwd.service", "enable sefwd.service", "start sefwd.service"]
+    assert ext.calls() == [f"enable {UNITS}", f"restart {UNITS}", f"enable {UNITS}", f"start {UNITS}"]
     assert "unchanged" in ext.status(0)["formattedMessage"]["message"]
 
     ext.settings(1, PUBLIC)  # a new sequence number with the same content: nothing to restart
     _ok(ext.run("enable", seq=1))
-    assert ext.calls()[-1] == "start sefwd.service"
+    assert ext.calls()[-1] == f"start {UNITS}"
     assert ext.status(1)["status"] == "success"
 
     changed = json.loads(json.dumps(PUBLIC))
@@ -232,13 +234,13 @@ def test_enable_is_idempotent_and_restarts_once_per_change(ext: Ext) -> None:
     ext.settings(2, changed)
     before = len(ext.calls())
     _ok(ext.run("enable", seq=2))
-    assert ext.calls()[before:] == ["enable sefwd.service", "restart sefwd.service"]
+    assert ext.calls()[before:] == [f"enable {UNITS}", f"restart {UNITS}"]
     assert tomllib.loads(ext.config.read_text())["imds"]["poll_interval"] == "500ms"
 
     rotated = {"env": {**PROTECTED["env"], "SEFWD_WEBHOOK_SECRET": "whsec_" + base64.b64encode(b"k" * 32).decode()}}
     ext.settings(3, changed, rotated)  # only a secret changes: the service must re-read its environment
     _ok(ext.run("enable", seq=3))
-    assert ext.calls()[-1] == "restart sefwd.service"
+    assert ext.calls()[-1] == f"restart {UNITS}"
     assert "env changed" in ext.status(3)["formattedMessage"]["message"]
 
 
@@ -305,9 +307,15 @@ def test_disable_stops_the_service_and_enable_brings_it_back(ext: Ext) -> None:
     _ok(ext.run("disable"))
     status = ext.status(0)
     assert (status["operation"], status["status"]) == ("Disable", "success")
-    assert ext.calls()[-1] == "disable --now sefwd.service"
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
+    # The secrets go with the service (waagent may run no uninstall after a disable); enable writes them again.
+    assert not ext.env_file.exists() and ext.config.exists()
+    assert "secrets removed until the next enable" in status["formattedMessage"]["message"]
     _ok(ext.run("enable"))
-    assert ext.calls()[-2:] == ["enable sefwd.service", "start sefwd.service"]
+    assert ext.calls()[-2:] == [f"enable {UNITS}", f"restart {UNITS}"]
+    assert source_env_file(ext.env_file)["SEFWD_WEBHOOK_SECRET"] == WEBHOOK_SECRET
+    _ok(ext.run("enable"))
+    assert ext.calls()[-1] == f"start {UNITS}"
 
 
 def test_uninstall_removes_config_and_secrets(ext: Ext) -> None:
@@ -315,7 +323,7 @@ def test_uninstall_removes_config_and_secrets(ext: Ext) -> None:
     _ok(ext.run("enable"))
     _ok(ext.run("uninstall"))
     assert ext.status(0)["operation"] == "Uninstall" and ext.status(0)["status"] == "success"
-    assert ext.calls()[-1] == "disable --now sefwd.service"
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
     assert not ext.config.exists() and not ext.env_file.exists() and not ext.config.parent.exists()
 
 
@@ -328,11 +336,11 @@ def test_update_keeps_the_installation_through_the_old_versions_uninstall(ext: E
     assert "1.0.0" in ext.status(0)["formattedMessage"]["message"]
     _ok(ext.run("uninstall"))
     assert "update in progress" in ext.status(0)["formattedMessage"]["message"]
-    assert ext.config.exists() and ext.env_file.exists()
+    assert ext.config.exists() and (ext.root / "etc/sefwd/.extension-manifest.json").exists()
     _ok(ext.run("install"))
     assert not (ext.root / "etc/sefwd/.extension-update").exists()
     _ok(ext.run("enable"))
-    assert ext.calls()[-2:] == ["enable sefwd.service", "start sefwd.service"]
+    assert ext.calls()[-2:] == [f"enable {UNITS}", f"restart {UNITS}"]  # the secrets written again
     _ok(ext.run("uninstall"))  # without an update under way it removes everything
     assert not ext.config.exists()
 
@@ -345,9 +353,9 @@ def test_service_manager_failure_is_reported_and_the_restart_retried(ext: Ext) -
     assert status["status"] == "error" and status["code"] == 13 and "(exit 5)" in status["formattedMessage"]["message"]
     # The files were swapped in but never applied: the next enable must restart although they match.
     _ok(ext.run("enable"))
-    assert ext.calls()[-1] == "restart sefwd.service"
+    assert ext.calls()[-1] == f"restart {UNITS}"
     _ok(ext.run("enable"))
-    assert ext.calls()[-1] == "start sefwd.service"
+    assert ext.calls()[-1] == f"start {UNITS}"
 
 
 def test_no_settings_means_agent_defaults(ext: Ext) -> None:
@@ -487,7 +495,7 @@ class Vm:
     def __init__(self, tmp: Path, waagent: tuple[Path, str], scale: float = 1.0, **switches: str) -> None:
         self.tmp, (self.waagent_dir, self.thumbprint) = tmp, waagent
         self.root = tmp / "root"
-        self.root.mkdir()
+        (self.root / "var/lib/sefwd").mkdir(parents=True)  # the agent's state dir, as install.sh makes it
         self.calls_file = tmp / "calls.txt"
         stub = tmp / "systemctl-stub"
         stub.write_text(GA_STUB)
@@ -525,6 +533,14 @@ class Vm:
     def ran(self) -> list[tuple[str, str, int | None]]:
         return [(r.version, r.command, r.exit_code) for r in self.ga.runs]
 
+    def timer(self) -> str:
+        """One run of the root timer enable installed: its unit's ExecStart, as systemd would run it."""
+        unit = (self.root / "etc/systemd/system/sefwd-extension-heartbeat.service").read_text()
+        exec_start = next(line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("ExecStart="))
+        proc = subprocess.run(exec_start.split(), env=self.ga.env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stderr == "", proc
+        return proc.stdout.strip()
+
 
 @pytest.fixture
 def vm(tmp_path: Path, waagent: tuple[Path, str]) -> Vm:
@@ -547,8 +563,10 @@ def test_lifecycle_under_the_guest_agent(vm: Vm, package: Path) -> None:
     assert report.settings_status is not None
     assert (report.settings_status["status"], report.settings_status["code"]) == ("success", 0)
     assert report.settings_status["operation"] == "Enable"
-    # The guest agent's heartbeatFile leads to the file the running agent refreshes.
-    assert os.readlink(vm.ga.heartbeat_file("1.0.0")) == str(vm.agent_heartbeat)
+    # The guest agent's heartbeatFile is root's own file, refreshed by a root timer from the agent's.
+    assert not vm.ga.heartbeat_file("1.0.0").is_symlink() and vm.ga.heartbeat_file("1.0.0").is_file()
+    assert f"handler.py heartbeat" in (vm.root / "etc/systemd/system/sefwd-extension-heartbeat.service").read_text()
+    assert vm.timer() == "heartbeat: no agent heartbeat yet"
     assert source_env_file(vm.env_file)["SEFWD_AGENT_HEARTBEAT_FILE"] == str(vm.agent_heartbeat)
     assert tomllib.loads(vm.config.read_text()) == PUBLIC
     # Each command's stdout is one line; nothing on stderr: logs are in handler.log.
@@ -624,7 +642,7 @@ def test_steps_past_their_budget_are_killed_before_the_guest_agent_would(
     run = vm.ga.runs[-1]
     assert run.exit_code == 13 and run.seconds < LIMITS["enable"] * SCALE  # the handler's own error, in time
     message = vm.report().settings_status["message"]  # type: ignore[index]
-    assert "restart sefwd.service: systemctl start did not finish within its" in message
+    assert f"restart {UNITS}: systemctl start did not finish within its" in message
     child = int(Path(f"{vm.calls_file}.child").read_text())
     wait_until(lambda: not _alive(child), 10, "the stub's child killed with its process group")
 
@@ -687,13 +705,16 @@ def test_disable_never_blocks_uninstall_or_an_update(vm: Vm, package: Path, tmp_
 def test_disable_and_uninstall_are_idempotent_without_a_service_manager(ext: Ext) -> None:
     ext.settings(0, PUBLIC)
     _ok(ext.run("enable"))
+    messages = []
     for command in ("disable", "disable", "uninstall", "uninstall"):
         proc = ext.run(command, SEFWD_EXT_SERVICE_CMD=str(ext.dir / "no-such-systemctl"))
         _ok(proc)
         assert proc.stderr == "" and len(proc.stdout.splitlines()) == 1
-    message = ext.status(0)["formattedMessage"]["message"]
-    assert "the service manager failed (ignored)" in message and "no service manager" in message
+        messages.append(ext.status(0)["formattedMessage"]["message"])
+    assert "the service manager failed (ignored)" in messages[2] and "no service manager" in messages[2]
     assert not ext.config.exists()
+    # Once uninstalled nothing is the extension's any more: the second uninstall touches nothing.
+    assert messages[3].endswith("removed: nothing")
 
 
 def test_the_running_agent_keeps_the_heartbeat_fresh(vm: Vm, package: Path, tmp_path: Path) -> None:
@@ -704,15 +725,19 @@ def test_the_running_agent_keeps_the_heartbeat_fresh(vm: Vm, package: Path, tmp_
         config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state")
         agent = AgentProcess(config, tmp_path / "a.log", env=env)
         try:
-            report = wait_until(lambda: (r := vm.report()).message.startswith("sefwd ") and "enabled" not in r.message
-                                and r, 60, "the agent's own heartbeat")
+            report = wait_until(lambda: vm.timer() and (r := vm.report()).message.startswith("sefwd ")
+                                and "enabled" not in r.message and r, 60, "the agent's own heartbeat, copied")
             assert report.status == "Ready" and report.message.startswith(("sefwd starting", "sefwd running"))
         finally:
             assert agent.terminate() == 0
+    assert vm.timer() == "heartbeat: copied"
     report = vm.report()
     assert (report.status, report.message.split(" (")[0]) == ("NotReady", "sefwd stopped")
-    stale = time.time() - 601
-    os.utime(vm.agent_heartbeat, (stale, stale))
+    assert vm.ga.heartbeat_file("1.0.0").stat().st_mtime == vm.agent_heartbeat.stat().st_mtime  # it ages with the agent's
+    stale = time.time() - 601  # ten minutes later: the agent wrote nothing since
+    for path in (vm.agent_heartbeat, vm.ga.heartbeat_file("1.0.0")):
+        os.utime(path, (stale, stale))
+    assert vm.timer() == "heartbeat: heartbeatFile is current"  # the timer never makes an old heartbeat look new
     assert vm.report().status == "Unresponsive"  # what the guest agent says once the agent is gone
 
 
