@@ -630,11 +630,16 @@ class CommandLock:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
         deadline = time.monotonic() + wait
+        waiting = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except OSError:
+                if not waiting and wait > 0:
+                    waiting = True
+                    log.info("waiting up to %g s for another handler command (%s) to finish", wait,
+                             os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown")
                 if time.monotonic() >= deadline:
                     holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
                     os.close(fd)

@@ -121,7 +121,7 @@ class Ext:
         path.write_text(json.dumps({"runtimeSettings": [{"handlerSettings": handler}]}))
         return path
 
-    def run(self, command: str, seq: int | None = 0, **extra: str) -> subprocess.CompletedProcess[str]:
+    def run(self, command: str, seq: int | None = 0, wrap: tuple[str, ...] = (), **extra: str) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SEFWD_", "ConfigSequence"))}
         env.update({
             "SEFWD_EXT_ROOT": str(self.root),
@@ -135,7 +135,7 @@ class Ext:
             env["ConfigSequenceNumber"] = str(seq)
         env.update(extra)
         # waagent runs the command by its path from the manifest, in the extension dir
-        return subprocess.run([sys.executable, str(self.dir / "handler.py"), command], cwd=self.dir, env=env,
+        return subprocess.run([*wrap, sys.executable, str(self.dir / "handler.py"), command], cwd=self.dir, env=env,
                               capture_output=True, text=True, timeout=120)
 
     def status(self, seq: int) -> dict:
@@ -786,3 +786,270 @@ def test_notify_urls_in_public_settings_are_refused_without_echoing_them(ext: Ex
     assert ext.config.read_bytes() == good
     texts = [proc.stdout, proc.stderr, message, *(p.read_text() for p in ext.log_dir.iterdir())]
     assert not any("T0KENthatShouldStayPrivate" in t for t in texts)
+
+
+# -- safe to fail, overlap, repeat and remove ---------------------------------------------------------
+
+def _mount_namespace_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            'd=$(mktemp -d) && mount -t tmpfs -o size=4k tmpfs "$d" && umount "$d"; rmdir "$d"'],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+FULL_DISK = """set -e
+for dir in "$STATUS_DIR" "$LOG_DIR"; do
+    mkdir -p "$dir"
+    mount -t tmpfs -o size=8k,nr_inodes=8 tmpfs "$dir"
+    dd if=/dev/zero of="$dir/filler" bs=1k count=64 2>/dev/null || true
+    i=0; while touch "$dir/f$i" 2>/dev/null; do i=$((i + 1)); done
+done
+exec "$@"
+"""
+
+
+def test_disable_and_uninstall_act_on_a_full_disk(ext: Ext) -> None:
+    """The status and log folders full (tiny tmpfs mounts in a private mount namespace): disable still
+    stops the service and exits 0, uninstall still removes the config and the secrets."""
+    if not _mount_namespace_works():
+        pytest.skip("cannot mount a tmpfs in a private mount namespace here (not root?)")
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+
+    def full(command: str) -> subprocess.CompletedProcess[str]:
+        wrapper = ext.dir / "full-disk.sh"
+        wrapper.write_text(FULL_DISK)
+        return ext.run(command, wrap=("unshare", "-m", "--propagation", "private", "sh", str(wrapper)),
+                       STATUS_DIR=str(ext.status_dir), LOG_DIR=str(ext.log_dir))
+
+    proc = full("disable")
+    assert proc.returncode == 0, proc
+    assert proc.stdout.startswith("Disable succeeded: sefwd stopped and disabled") and "Traceback" not in proc.stderr
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
+    proc = full("uninstall")
+    assert proc.returncode == 0, proc
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
+    assert not ext.config.exists() and not ext.env_file.exists() and not ext.config.parent.exists()
+
+
+def test_disable_and_uninstall_act_when_the_status_file_cannot_be_written(ext: Ext) -> None:
+    """``<seq>.status`` is a directory (as unwritable as a read-only disk, even for root)."""
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    (ext.status_dir / "0.status").unlink()
+    (ext.status_dir / "0.status").mkdir()
+    proc = ext.run("disable")
+    assert proc.returncode == 0 and proc.stdout.startswith("Disable succeeded"), proc
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
+    assert "cannot write status file" in (ext.log_dir / "handler.log").read_text()
+    proc = ext.run("uninstall")
+    assert proc.returncode == 0 and proc.stdout.startswith("Uninstall succeeded"), proc
+    assert not ext.config.exists() and not ext.env_file.exists()
+    # enable reports through its exit code and stdout when it cannot write its status
+    ext.settings(0, {"sinks": [{"type": "nosuch"}]})
+    proc = ext.run("enable")
+    assert proc.returncode == 12 and "nosuch" in proc.stdout and proc.stderr == ""
+
+
+CHECK_GATE = """#!/bin/sh
+# `sefwd config check` held at a gate: HOLD_AFTER holds after the real check, HOLD_BEFORE before it.
+if [ -n "$HOLD_BEFORE" ]; then touch "$HOLD_BEFORE.reached"; while [ ! -e "$HOLD_BEFORE" ]; do sleep 0.05; done; fi
+"$REAL_PYTHON" -m forwarder "$@"; rc=$?
+if [ -n "$HOLD_AFTER" ]; then touch "$HOLD_AFTER.reached"; while [ ! -e "$HOLD_AFTER" ]; do sleep 0.05; done; fi
+exit $rc
+"""
+
+
+def test_two_enables_at_once_never_install_a_rejected_config(ext: Ext, tmp_path: Path) -> None:
+    """An enable whose config passed its check is held before swapping it in while a second enable
+    with a rejected config runs: the rejected config must never become the config."""
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    gate = tmp_path / "check-gate.sh"
+    gate.write_text(CHECK_GATE)
+    gate.chmod(0o755)
+    good = {**PUBLIC, "imds": {"poll_interval": "3s"}}
+    bad = {"imds": {"poll_interval": "1ms"}, "sinks": [{"type": "nosuch"}]}
+    ext.settings(1, good)
+    ext.settings(2, bad)
+    hold_a, hold_b = tmp_path / "release-a", tmp_path / "release-b"
+
+    def start(seq: int, **hold: str) -> subprocess.Popen[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SEFWD_", "ConfigSequence"))}
+        env.update({"SEFWD_EXT_ROOT": str(ext.root), "SEFWD_EXT_WAAGENT_DIR": str(ext.waagent_dir),
+                    "SEFWD_EXT_SERVICE_CMD": str(ext.stub), "SEFWD_EXT_SEFWD_CMD": str(gate),
+                    "SEFWD_EXT_SKIP_INSTALL": "1", "REAL_PYTHON": sys.executable, "PYTHONPATH": str(REPO),
+                    "STUB_CALLS": str(ext.calls_file), "STUB_STATUS_DIR": str(ext.status_dir),
+                    "STUB_SNAPSHOT": str(ext.snapshot), "ConfigSequenceNumber": str(seq), **hold})
+        return subprocess.Popen([sys.executable, str(ext.dir / "handler.py"), "enable"], cwd=ext.dir, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = start(1, HOLD_AFTER=str(hold_a))
+    second = None
+    try:
+        wait_until(lambda: Path(f"{hold_a}.reached").exists() or first.poll() is not None, 60, "the first check passed")
+        second = start(2, HOLD_BEFORE=str(hold_b))
+        log = ext.log_dir / "handler.log"
+        wait_until(lambda: Path(f"{hold_b}.reached").exists() or "waiting up to" in log.read_text(), 60,
+                   "the second enable at its check or at the lock")
+        hold_a.touch()
+        hold_b.touch()
+        out_a, _ = first.communicate(timeout=120)
+        out_b, _ = second.communicate(timeout=120)
+    finally:
+        hold_a.touch()
+        hold_b.touch()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    assert first.returncode == 0, out_a
+    assert second.returncode == 12 and "previous config kept" in out_b, out_b
+    assert tomllib.loads(ext.config.read_text()) == good  # the config that passed its check, nothing else
+    assert ext.status(1)["status"] == "success" and ext.status(2)["code"] == 12
+    assert not list(ext.config.parent.glob("*ext-new*")) and not (ext.root / "etc/sefwd/.extension-journal.json").exists()
+
+
+def test_an_interrupted_swap_is_completed_by_the_next_command(ext: Ext, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed between its renames, an enable leaves a journal: the next command finishes the swap,
+    so config and secrets are both old or both new, and the next enable restarts the service."""
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    handler = load_handler_module()
+    monkeypatch.setenv("SEFWD_EXT_ROOT", str(ext.root))
+    config_path, env_path = str(ext.config), str(ext.env_file)
+    new_config, new_env = b"# new config\n", b"# new env\n"
+    pairs = [[handler._stage(config_path, new_config, 0o640), config_path],
+             [handler._stage(env_path, new_env, 0o600), env_path]]
+    (ext.root / "etc/sefwd/.extension-restart-pending").write_bytes(b"")
+    (ext.root / "etc/sefwd/.extension-journal.json").write_text(json.dumps({"renames": pairs}))
+    os.replace(*pairs[0])  # the command was killed here: new config, old secrets
+    _ok(ext.run("disable"))
+    assert ext.config.read_bytes() == new_config and ext.env_file.exists() is False  # disable then removes the secrets
+    assert "an interrupted command was completed" in ext.status(0)["formattedMessage"]["message"]
+    assert not list(ext.config.parent.glob("*ext-new*"))
+    _ok(ext.run("enable"))
+    assert ext.calls()[-1] == f"restart {UNITS}" and tomllib.loads(ext.config.read_text()) == PUBLIC
+
+
+def test_a_stray_staged_file_of_a_killed_command_is_removed(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    stray = [ext.config.parent / "config.toml.ext-new", ext.config.parent / ".env.x1y2z3.ext-new"]
+    for path in stray:
+        path.write_text("half-written")
+    _ok(ext.run("enable"))
+    assert not any(path.exists() for path in stray)
+
+
+OPERATOR_CONFIG = """# written by cloud-init for this VM
+[[sinks]]
+type = "webhook"
+name = "ops"
+url = "https://hooks.example.com/ops"
+secret_env = "OPS_WEBHOOK_SECRET"
+"""
+OPERATOR_ENV = 'OPS_WEBHOOK_SECRET="whsec_b3BlcmF0b3Itc2VjcmV0LW9mLXRoaXMtdm0hISE="\n'
+
+
+def _set_up_by_the_operator(root: Path) -> None:
+    """/etc/sefwd and /opt/sefwd as install.sh leaves them, with the operator's own sink and secret."""
+    etc = root / "etc/sefwd"
+    etc.mkdir(parents=True)
+    (etc / "config.toml").write_text(OPERATOR_CONFIG)
+    (etc / "config.toml").chmod(0o640)
+    (etc / "env").write_text(OPERATOR_ENV)
+    (etc / "env").chmod(0o600)
+    (root / "opt/sefwd").mkdir(parents=True)
+    (root / "opt/sefwd/install.env").write_text("# Written by install.sh\nSEFWD_VERSION=0.1.0\nSEFWD_CREATED_USER=no\n")
+
+
+def test_a_vm_set_up_before_the_extension_keeps_its_files_until_handed_over(vm: Vm, package: Path) -> None:
+    _set_up_by_the_operator(vm.root)
+    etc = vm.root / "etc/sefwd"
+    assert not vm.ga.enable(package, "1.0.0", vm.settings(0, PUBLIC))
+    assert vm.ran() == [("1.0.0", "install", 0), ("1.0.0", "enable", 16)]
+    status = vm.report().settings_status
+    assert status is not None and (status["status"], status["code"]) == ("error", 16)
+    message = status["message"]
+    assert "/etc/sefwd/config.toml and /etc/sefwd/env were not written by this extension" in message
+    assert "mv /etc/sefwd/config.toml /etc/sefwd/config.toml.before-extension" in message
+    assert (etc / "config.toml").read_text() == OPERATOR_CONFIG and (etc / "env").read_text() == OPERATOR_ENV
+    assert vm.calls() == []  # the operator's service was not touched
+
+    # Removing the extension leaves the operator's installation and files as they were.
+    assert vm.ga.uninstall()
+    assert (etc / "config.toml").read_text() == OPERATOR_CONFIG and (etc / "env").read_text() == OPERATOR_ENV
+    assert (vm.root / "opt/sefwd/install.env").exists() and vm.calls() == []
+    assert not (etc / ".extension-manifest.json").exists()
+
+    # Handed over as the status says: the extension writes and later removes only its own files.
+    for name in ("config.toml", "env"):
+        (etc / name).rename(etc / f"{name}.before-extension")
+    assert vm.ga.enable(package, "1.0.0", vm.settings(0, PUBLIC))
+    assert tomllib.loads(vm.config.read_text()) == PUBLIC and vm.calls()[-1] == f"restart {UNITS}"
+    assert vm.ga.uninstall()
+    assert not vm.config.exists() and not vm.env_file.exists()
+    assert (etc / "config.toml.before-extension").read_text() == OPERATOR_CONFIG
+    assert (vm.root / "opt/sefwd/install.env").exists()  # there before the extension: left in place
+    assert "the installation (/opt/sefwd, the unit, the user) was there before the extension" in (
+        vm.ga.instances["1.0.0"].log_dir / "handler.log").read_text()
+
+
+def test_files_an_earlier_extension_version_wrote_are_still_its_own(ext: Ext) -> None:
+    """No manifest (written by a version before it existed): the header says whose the files are."""
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    (ext.root / "etc/sefwd/.extension-manifest.json").unlink()
+    changed = {**PUBLIC, "imds": {"poll_interval": "3s"}}
+    ext.settings(1, changed)
+    _ok(ext.run("enable", seq=1))
+    assert tomllib.loads(ext.config.read_text()) == changed
+
+
+def _plant(vm: Vm, data: bytes | None = None, size: int | None = None) -> None:
+    """What a compromised service user can do to its own heartbeat file."""
+    path = vm.agent_heartbeat
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    if data is not None:
+        path.write_bytes(data)
+    if size is not None:
+        with open(path, "ab") as f:
+            f.truncate(size)  # sparse: no block written
+
+
+@pytest.mark.parametrize("planted", [
+    pytest.param(b'[{"version": 1.0, "heartbeat": {"status": "Ready", "code": "0", "formattedMessage": "up"}}]', id="wrong-shape"),
+    pytest.param(b'{"heartbeat": []}', id="not-a-list"),
+    pytest.param(None, id="sparse-64MiB"),
+])
+def test_a_planted_heartbeat_never_reaches_the_guest_agent(vm: Vm, package: Path, planted: bytes | None) -> None:
+    assert vm.ga.enable(package, "1.0.0", vm.settings(0, {}, protected=None))
+    _plant(vm, planted, size=64 * 2**20 if planted is None else None)
+    heartbeat = vm.ga.heartbeat_file("1.0.0")
+    future = time.time() + 5  # the agent's file is newer than the handler's last word
+    os.utime(vm.agent_heartbeat, (future, future))
+    assert vm.timer().startswith("heartbeat: refused: ")
+    assert not heartbeat.is_symlink() and heartbeat.stat().st_size < 4096  # never a link to the service user's file
+    doc = json.loads(heartbeat.read_text())
+    assert doc[0]["heartbeat"]["status"] == "NotReady" and doc[0]["heartbeat"]["formattedMessage"]["lang"] == "en-US"
+    report = vm.report()  # the guest agent reads a well-formed heartbeat that says what is wrong
+    assert report.status == "NotReady" and "sefwd's heartbeat file /var/lib/sefwd/extension-heartbeat.json refused" in report.message
+
+
+def test_a_fifo_or_a_link_as_the_agents_heartbeat_is_refused_unread(vm: Vm, package: Path, tmp_path: Path) -> None:
+    assert vm.ga.enable(package, "1.0.0", vm.settings(0, {}, protected=None))
+    root_only = tmp_path / "root-only"
+    root_only.write_text(json.dumps([{"version": 1.0, "heartbeat": {
+        "status": "Ready", "code": 0, "formattedMessage": {"lang": "en-US", "message": "root's secret"}}}]))
+    vm.agent_heartbeat.unlink(missing_ok=True)
+    vm.agent_heartbeat.symlink_to(root_only)
+    os.utime(vm.agent_heartbeat, (time.time() + 5, time.time() + 5), follow_symlinks=False)
+    assert "refused: cannot open" in vm.timer()
+    assert "root's secret" not in vm.ga.heartbeat_file("1.0.0").read_text()
+    vm.agent_heartbeat.unlink()
+    os.mkfifo(vm.agent_heartbeat)  # a reader would block forever
+    os.utime(vm.agent_heartbeat, (time.time() + 10, time.time() + 10))
+    assert vm.timer() == "heartbeat: refused: not a regular file"
