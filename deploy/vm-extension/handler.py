@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Azure VM extension handler for sefwd: ``handler.py install|enable|disable|uninstall|update``.
 
+Also ``handler.py heartbeat``: run every 30 s by the root timer enable installs, it copies the
+running agent's heartbeat, size- and shape-checked, to waagent's heartbeatFile.
+
 Python 3 standard library only (3.7+): it runs before the agent and its dependencies exist.
 The handler contract (HandlerEnvironment.json, ``<seq>.settings``, ``<seq>.status``) is described
 in README.md next to this file, as are the switches tests use:
@@ -1086,7 +1089,8 @@ def op_install(henv: HandlerEnvironment, seq: int | None) -> str:
         message += "; the installation was there before the extension: uninstall will leave it"
     foreign = manifest.foreign()
     if foreign:
-        message += "; " + handover_message(foreign)
+        message += "; {} not the extension's: enable will leave them and say how to hand them over".format(
+            " and ".join(foreign))
     return message
 
 
@@ -1246,8 +1250,9 @@ def probe_summary(public: dict) -> str:
 
 
 def _not_managed(manifest: Manifest) -> str:
-    return ("sefwd.service left as it is: the extension did not install it and its config is not the extension's "
-            "({} belong to whoever set the VM up)".format(", ".join(manifest.foreign()) or "nothing of it"))
+    foreign = manifest.foreign()
+    return "sefwd.service left as it is: neither its installation nor its config is the extension's{}".format(
+        " ({} belong to whoever set the VM up)".format(", ".join(foreign)) if foreign else "")
 
 
 def op_disable(henv: HandlerEnvironment, seq: int | None) -> str:

@@ -632,6 +632,42 @@ def test_an_install_failure_reaches_azure_cause_first(vm: Vm, package: Path, tmp
     assert "Collecting package-299" in log
 
 
+PARTIAL_INSTALL = """#!/bin/sh
+# install.sh that gets as far as the venv and the first config, then fails (pip could not reach the index)
+while [ $# -gt 0 ]; do if [ "$1" = --prefix ]; then prefix="$2"; fi; shift; done
+mkdir -p "$prefix/opt/sefwd/venv/bin" "$prefix/etc/sefwd"
+: > "$prefix/opt/sefwd/venv/bin/python"
+[ -e "$prefix/opt/sefwd/install.env" ] || echo SEFWD_CREATED_USER=no > "$prefix/opt/sefwd/install.env"
+[ -e "$prefix/etc/sefwd/config.toml" ] || echo "# install.sh's first config" > "$prefix/etc/sefwd/config.toml"
+[ -e "$prefix/etc/sefwd/env" ] || echo "# secrets" > "$prefix/etc/sefwd/env"
+echo "install.sh: error: pip install failed" >&2
+exit 1
+"""
+
+
+def test_a_failed_install_undoes_itself_since_removal_runs_no_uninstall(vm: Vm, package: Path, tmp_path: Path) -> None:
+    pkg = repackage(package, tmp_path / "partial.zip", {
+        "wheels/scheduled_events_forwarder-0.1.0-py3-none-any.whl": "", "linux/install.sh": PARTIAL_INSTALL})
+    vm.ga.env["SEFWD_EXT_SKIP_INSTALL"] = "0"
+    assert not vm.ga.enable(pkg, "1.0.0", vm.settings(0, PUBLIC))
+    assert "the partial installation was removed (the guest agent runs no uninstall after a failed install)" in (
+        vm.report().message)
+    assert not (vm.root / "opt/sefwd").exists() and not (vm.root / "etc/sefwd").exists()
+    assert vm.ga.uninstall()
+    assert vm.ran() == [("1.0.0", "install", 14)]  # removing it ran nothing
+    assert not vm.ga.instances["1.0.0"].dir.exists()
+
+
+def test_a_failed_install_over_an_existing_installation_leaves_it(vm: Vm, package: Path, tmp_path: Path) -> None:
+    _set_up_by_the_operator(vm.root)
+    pkg = repackage(package, tmp_path / "partial.zip", {
+        "wheels/scheduled_events_forwarder-0.1.0-py3-none-any.whl": "", "linux/install.sh": PARTIAL_INSTALL})
+    vm.ga.env["SEFWD_EXT_SKIP_INSTALL"] = "0"
+    assert not vm.ga.enable(pkg, "1.0.0", vm.settings(0, PUBLIC))
+    assert "the installation that was there before is left as it was" in vm.report().message
+    assert (vm.root / "opt/sefwd/install.env").exists() and vm.config.read_text() == OPERATOR_CONFIG
+
+
 @pytest.mark.slow  # waits out real step limits
 def test_steps_past_their_budget_are_killed_before_the_guest_agent_would(
         tmp_path: Path, waagent: tuple[Path, str], package: Path) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.agent import wait_until
 from tests.integration.test_vm_extension import (  # noqa: F401  (fixtures)
-    GA_STUB, PUBLIC, REPO, UNITS, Ext, _alive, ext, package, repackage, waagent,
+    GA_STUB, PARTIAL_INSTALL, PUBLIC, REPO, UNITS, Ext, _alive, ext, package, repackage, waagent,
 )
 
 SRC = os.environ.get("SEFWD_WALINUXAGENT_SRC", "")
@@ -66,19 +66,6 @@ def test_the_guest_agents_kill_at_its_limit_reaches_the_handlers_children(ext: E
         "timeout": 120, "command": f"{sys.executable} {ext.dir / 'handler.py'} enable"}, env)
     assert result["code"] == 0, result
     assert ext.calls()[-1] == f"restart {UNITS}"  # the killed enable's change is applied
-
-
-PARTIAL_INSTALL = """#!/bin/sh
-# install.sh that gets as far as the venv and the first config, then fails (pip could not reach the index)
-while [ $# -gt 0 ]; do if [ "$1" = --prefix ]; then prefix="$2"; fi; shift; done
-mkdir -p "$prefix/opt/sefwd/venv/bin" "$prefix/etc/sefwd"
-: > "$prefix/opt/sefwd/venv/bin/python"
-echo SEFWD_CREATED_USER=no > "$prefix/opt/sefwd/install.env"
-echo "# install.sh's first config" > "$prefix/etc/sefwd/config.toml"
-echo "# secrets" > "$prefix/etc/sefwd/env"
-echo "install.sh: error: pip install failed" >&2
-exit 1
-"""
 
 
 def test_removing_the_extension_after_a_failed_install_leaves_nothing(ext: Ext, package: Path, tmp_path: Path) -> None:
