@@ -1089,3 +1089,36 @@ def test_a_fifo_or_a_link_as_the_agents_heartbeat_is_refused_unread(vm: Vm, pack
     os.mkfifo(vm.agent_heartbeat)  # a reader would block forever
     os.utime(vm.agent_heartbeat, (time.time() + 10, time.time() + 10))
     assert vm.timer() == "heartbeat: refused: not a regular file"
+
+
+def test_a_held_lock_stops_enable_but_never_disable(ext: Ext) -> None:
+    """Another command holding the lock past the wait: enable changes nothing (exit 17), disable acts anyway."""
+    import fcntl
+
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    good, calls = ext.config.read_bytes(), ext.calls()
+    lock_path = ext.root / "run/lock/sefwd-extension.lock"
+    ext.settings(1, {**PUBLIC, "imds": {"poll_interval": "3s"}})
+    with open(lock_path, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = ext.run("enable", seq=1, SEFWD_EXT_TIME_SCALE="0.01")  # waits 0.3 s for the lock
+        assert proc.returncode == 17 and "nothing changed" in proc.stdout, proc
+        assert ext.config.read_bytes() == good and ext.calls() == calls and not (ext.status_dir / "1.status").exists()
+        proc = ext.run("disable", SEFWD_EXT_TIME_SCALE="0.01")
+        assert proc.returncode == 0 and "went on without it" in proc.stdout, proc
+        assert ext.calls()[-1] == f"disable --now {UNITS}"
+    _ok(ext.run("enable", seq=1))  # the lock free again
+    assert tomllib.loads(ext.config.read_text())["imds"]["poll_interval"] == "3s"
+
+
+def test_disable_and_uninstall_act_without_a_handler_environment(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    (ext.dir / "HandlerEnvironment.json").unlink()
+    assert ext.run("enable").returncode == 1  # nothing to go on
+    proc = ext.run("disable")
+    assert proc.returncode == 0 and "HandlerEnvironment.json" in proc.stdout, proc
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
+    _ok(ext.run("uninstall"))
+    assert not ext.config.exists()
