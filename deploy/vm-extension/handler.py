@@ -1373,6 +1373,15 @@ def main(argv: list | None = None) -> int:
     if command not in HANDLERS:
         print("usage: handler.py install|enable|disable|uninstall|update", file=sys.stderr)
         return 2
+    try:
+        return run_command(command)
+    except Exception as exc:  # past every guard: still one line, and disable still exits 0
+        print(outcome(OPERATIONS[command], E_INTERNAL, "{}: {}".format(type(exc).__name__, exc)))
+        return OK if command == "disable" else E_INTERNAL
+
+
+def run_command(command: str) -> int:
+    """One handler command under the lock: status, the operation, status again; its exit code."""
     operation = OPERATIONS[command]
     logging.raiseExceptions = False  # a log write on a full disk must not print tracebacks into waagent's output
     notes = []
