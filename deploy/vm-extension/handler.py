@@ -1049,10 +1049,11 @@ def _rollback_install(created: list) -> str:
             notes.append("removing the partial installation failed too: " + exc.message)
     for path in created:
         _remove_quietly(host_path(path))
-    try:
-        os.rmdir(host_path(os.path.dirname(CONFIG_PATH)))
-    except OSError:
-        pass
+    for directory in (os.path.dirname(CONFIG_PATH), "/var/lib/sefwd", "/var/log/sefwd"):
+        try:  # only when empty: uninstall.sh keeps these, and a non-empty one is not this install's alone
+            os.rmdir(host_path(directory))
+        except OSError:
+            pass
     return "; ".join(notes)
 
 
