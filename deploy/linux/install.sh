@@ -18,8 +18,10 @@ Usage: install.sh [--source SRC | --source-file FILE] [--index-url-file FILE] [-
                   The wheel is downloaded by Python (the URL never on a command line) and pip
                   installs the local file.
   --index-url-file FILE  pip's index URL read from FILE (mode 0600), e.g.
-                  https://build:TOKEN@pkgs.example.com/simple/: handed to pip as PIP_INDEX_URL in
-                  its environment, never as an argument. pip's output is redacted either way.
+                  https://build:TOKEN@pkgs.example.com/simple/ or https://TOKEN@host/simple/:
+                  the user and token go to pip in a 0600 netrc file, the rest as PIP_INDEX_URL in
+                  its environment, never as an argument. A URL with a query string (?token=...)
+                  is refused: it would reach a command line. pip's output is redacted either way.
   --extras LIST   comma-separated extras (default: eventhubs,loganalytics; "" for none; "all").
   --python PY     interpreter for the venv (>= 3.11 with venv/ensurepip). Default: the first
                   of python3 python3.13 python3.12 python3.11 that qualifies.
@@ -51,6 +53,31 @@ read_secret_file() {  # FILE OPTION: the first line of FILE, trimmed; a warning 
     line="${line%$'\r'}"
     line="${line#"${line%%[![:space:]]*}"}"
     printf '%s' "${line%"${line##*[![:space:]]}"}"
+}
+
+# INDEX_URL's credential, if any, into a 0600 netrc file for pip (NETRC_FILE) and out of INDEX_URL.
+# (A query string cannot go there and would reach a command line: refused earlier, whatever it holds.)
+index_netrc() {  # PY_VERSION (of the Python whose netrc parser pip uses)
+    [ -n "$INDEX_URL" ] || return 0
+    [[ "$INDEX_URL" =~ ^([A-Za-z0-9+.-]+://)([^/?#@]*)@([^/?#:]+)(.*)$ ]] || return 0
+    local scheme="${BASH_REMATCH[1]}" userinfo="${BASH_REMATCH[2]//%/\\x}" host="${BASH_REMATCH[3]}" rest="${BASH_REMATCH[4]}"
+    local login password=""  # percent-escapes decoded by printf %b
+    login="$(printf '%b' "${userinfo%%:*}")"
+    [[ "$userinfo" != *:* ]] || password="$(printf '%b' "${userinfo#*:}")"
+    case "$login$password" in
+        *[[:space:]\"]*) die "--index-url-file: the index URL's user or token holds a space or a quote, which a netrc file cannot carry" ;;
+    esac
+    if [ -z "$password" ]; then
+        # A bare token is the user with an empty password (what pip sends for it). Python 3.10's netrc
+        # parser cannot read an empty password; 3.11's reads "".
+        case "$1" in
+            3.10) die "--index-url-file: a token without a password (https://TOKEN@host/...) cannot be handed to pip off its command line under Python 3.10 (its netrc parser needs a password): give it as https://TOKEN:x@host/... if your index ignores the password, or install with Python >= 3.11 (--python)" ;;
+        esac
+        password='""'
+    fi
+    (umask 077; printf 'machine %s login %s password %s\n' "$host" "$login" "$password" >"$WORK/netrc")
+    INDEX_URL="$scheme$host$rest"
+    NETRC_FILE="$WORK/netrc"
 }
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -95,6 +122,9 @@ if [ -n "$SOURCE_FILE" ]; then
     SOURCE="$(read_secret_file "$SOURCE_FILE" --source-file)"
 fi
 [ -z "$INDEX_URL_FILE" ] || INDEX_URL="$(read_secret_file "$INDEX_URL_FILE" --index-url-file)"
+if [[ "$INDEX_URL" == *\?* ]]; then  # refused before anything is installed
+    die "--index-url-file: the index URL has a query string ($(printf '%s' "$INDEX_URL" | redact)): pip passes the index URL to the pip it starts for build dependencies on its command line, which ps shows every local user, and only a user:token@ part can be moved off it (into a netrc file). Put the token in the URL as https://user:TOKEN@host/... or https://TOKEN@host/..."
+fi
 EXTRAS="$(printf '%s' "$EXTRAS" | tr -d ' ')"
 case "$EXTRAS" in *[!A-Za-z0-9,_-]*) die "--extras: expected names separated by commas, got '$EXTRAS'" ;; esac
 
@@ -151,6 +181,10 @@ PY_VERSION="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 # -- what pip installs -------------------------------------------------------------------------
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/sefwd-install.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
+# Every credential in the index URL (user:token@ or a bare token@) goes into a netrc file instead:
+# pip hands its index URL to the pip it starts for build dependencies on that one's command line,
+# which `ps` shows every local user (a source checkout, as cloud-init installs, always builds).
+index_netrc "$PY_VERSION"
 
 if [ -z "$SOURCE" ]; then
     if [ -f "$HERE/../../pyproject.toml" ]; then
@@ -231,15 +265,6 @@ say "pip install $(printf '%s' "$REQUIREMENT" | redact)"
 # --upgrade: a re-run with a PyPI source moves to the newest release; local sources always reinstall.
 # The index URL (with its token) goes to pip in its environment, never as an argument; whatever pip
 # prints goes through redact (pip hides a password, not a query).
-# A user:token@ in the index URL goes into a netrc file instead: pip hands its index URL to the
-# pip it starts for build dependencies on that one's command line.
-if [[ "$INDEX_URL" =~ ^([A-Za-z0-9+.-]+://)([^/?#@:]*:[^/?#@]*)@([^/?#:]+)(.*)$ ]]; then
-    userinfo="${BASH_REMATCH[2]//%/\\x}"  # percent-escapes decoded by printf %b
-    (umask 077; printf 'machine %s login %s password %s\n' "${BASH_REMATCH[3]}" \
-        "$(printf '%b' "${userinfo%%:*}")" "$(printf '%b' "${userinfo#*:}")" >"$WORK/netrc")
-    INDEX_URL="${BASH_REMATCH[1]}${BASH_REMATCH[3]}${BASH_REMATCH[4]}"
-    NETRC_FILE="$WORK/netrc"
-fi
 (
     [ -z "$INDEX_URL" ] || export PIP_INDEX_URL="$INDEX_URL"
     [ -z "${NETRC_FILE:-}" ] || export NETRC="$NETRC_FILE"

@@ -2,7 +2,7 @@
 
 With ``reportHeartbeat`` in the extension's manifest, the Azure guest agent reports the handler
 as this file says (``Ready``/``NotReady`` and the message) and as ``Unresponsive`` once the file
-is 600 s old; the VM extension links the guest agent's ``heartbeatFile`` here.
+is 600 s old; the VM extension's root timer copies this file, checked, to the guest agent's ``heartbeatFile``.
 """
 from __future__ import annotations
 

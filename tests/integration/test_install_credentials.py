@@ -75,8 +75,10 @@ class Index:
 
             def do_GET(self) -> None:  # noqa: N802
                 auth = self.headers.get("Authorization", "")
-                basic = base64.b64encode(f"build:{TOKEN}".encode()).decode()
-                if auth != f"Basic {basic}" and f"sig={TOKEN}" not in self.path:
+                # user:token, or the token alone as the user with an empty password (what pip sends for
+                # https://TOKEN@host/: private feeds take either)
+                accepted = {"Basic " + base64.b64encode(pair.encode()).decode() for pair in (f"build:{TOKEN}", f"{TOKEN}:")}
+                if auth not in accepted and f"sig={TOKEN}" not in self.path:
                     index.unauthorized += 1
                     self.send_response(401)
                     self.send_header("WWW-Authenticate", 'Basic realm="feed"')
@@ -199,20 +201,38 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
 """
 
 
-def test_build_dependencies_from_a_private_index_keep_the_token_off_the_child_pips_command_line(tmp_path, index):
-    """pip installs build dependencies with a pip of its own, handing it the index URL as an
-    argument: the token must not be in that URL."""
+def _source_that_builds(tmp_path: Path, index: Index) -> Path:
+    """A checkout whose build needs a dependency from the private index (what cloud-init installs)."""
     src = tmp_path / "src"
     src.mkdir()
     (src / "pyproject.toml").write_text('[build-system]\nrequires = ["sefwd-build-helper"]\n'
                                         'build-backend = "backend"\nbackend-path = ["."]\n')
     (src / "backend.py").write_text(BACKEND.format(data=base64.b64encode(index.files[WHEEL]).decode()))
-    url_file = secret_file(tmp_path / "index-url", f"http://build:{TOKEN}@{index.base}/simple/")
-    res, seen = run_install(tmp_path, index, "--source", str(src), "--index-url-file", str(url_file))
+    return src
+
+
+@pytest.mark.parametrize("userinfo", [f"build:{TOKEN}", TOKEN], ids=["user-and-token", "token-only"])
+def test_build_dependencies_from_a_private_index_keep_the_token_off_the_child_pips_command_line(tmp_path, index, userinfo):
+    """pip installs build dependencies with a pip of its own, handing it the index URL as an
+    argument: the token must not be in that URL, whether with a user or alone (https://TOKEN@host/):
+    both go to netrc, so no command line holds it while `ps` is sampled."""
+    url_file = secret_file(tmp_path / "index-url", f"http://{userinfo}@{index.base}/simple/")
+    res, seen = run_install(tmp_path, index, "--source", str(_source_that_builds(tmp_path, index)),
+                            "--index-url-file", str(url_file))
     assert res.returncode == 0, res.stdout + res.stderr
     assert index.downloading.is_set() and seen == [], seen
     assert TOKEN not in res.stdout + res.stderr
     assert leaked_files(tmp_path / "root") == []
+
+
+def test_a_token_in_the_index_urls_query_is_refused_with_the_reason(tmp_path):
+    url_file = secret_file(tmp_path / "index-url", f"https://pkgs.example.com/simple/?token={TOKEN}")
+    res = subprocess.run(["bash", str(INSTALL), "--index-url-file", str(url_file), "--prefix", str(tmp_path / "root"),
+                          "--no-user", "--no-start", "--python", sys.executable], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert "query string" in res.stderr and "command line" in res.stderr and "TOKEN@host" in res.stderr
+    assert TOKEN not in res.stdout + res.stderr
+    assert not (tmp_path / "root/opt/sefwd/venv").exists()
 
 
 def test_a_sas_signed_wheel_url_stays_out_of_argv_output_and_files(tmp_path, index):

@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[2]
 EXT_SRC = REPO / "deploy" / "vm-extension"
 HANDLER = EXT_SRC / "handler.py"
 WEBHOOK_SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+# What enable and disable hand the service manager: the agent and the root timer that copies its heartbeat.
+UNITS = "sefwd.service sefwd-extension-heartbeat.timer"
 TRICKY = 'a "quoted" $HOME `cmd` back\\slash  two  spaces;Endpoint=sb://x/;Key=abc='
 
 PUBLIC = {
@@ -119,7 +121,7 @@ class Ext:
         path.write_text(json.dumps({"runtimeSettings": [{"handlerSettings": handler}]}))
         return path
 
-    def run(self, command: str, seq: int | None = 0, **extra: str) -> subprocess.CompletedProcess[str]:
+    def run(self, command: str, seq: int | None = 0, wrap: tuple[str, ...] = (), **extra: str) -> subprocess.CompletedProcess[str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SEFWD_", "ConfigSequence"))}
         env.update({
             "SEFWD_EXT_ROOT": str(self.root),
@@ -133,7 +135,7 @@ class Ext:
             env["ConfigSequenceNumber"] = str(seq)
         env.update(extra)
         # waagent runs the command by its path from the manifest, in the extension dir
-        return subprocess.run([sys.executable, str(self.dir / "handler.py"), command], cwd=self.dir, env=env,
+        return subprocess.run([*wrap, sys.executable, str(self.dir / "handler.py"), command], cwd=self.dir, env=env,
                               capture_output=True, text=True, timeout=120)
 
     def status(self, seq: int) -> dict:
@@ -195,7 +197,7 @@ def test_enable_writes_a_checked_config_and_secret_env_then_restarts(ext: Ext) -
     assert "restarted" in status["formattedMessage"]["message"]
     during = json.loads(ext.snapshot.read_text())[0]["status"]
     assert (during["operation"], during["status"]) == ("Enable", "transitioning")
-    assert ext.calls() == ["enable sefwd.service", "restart sefwd.service"]
+    assert ext.calls() == [f"enable {UNITS}", f"restart {UNITS}"]
 
     assert tomllib.loads(ext.config.read_text()) == PUBLIC
     assert stat.S_IMODE(ext.env_file.stat().st_mode) == 0o600
@@ -219,12 +221,12 @@ def test_enable_is_idempotent_and_restarts_once_per_change(ext: Ext) -> None:
     ext.settings(0, PUBLIC)
     _ok(ext.run("enable"))
     _ok(ext.run("enable"))  # a reboot: same settings
-    assert ext.calls() == ["enable sefwd.service", "restart sefwd.service", "enable sefwd.service", "start sefwd.service"]
+    assert ext.calls() == [f"enable {UNITS}", f"restart {UNITS}", f"enable {UNITS}", f"start {UNITS}"]
     assert "unchanged" in ext.status(0)["formattedMessage"]["message"]
 
     ext.settings(1, PUBLIC)  # a new sequence number with the same content: nothing to restart
     _ok(ext.run("enable", seq=1))
-    assert ext.calls()[-1] == "start sefwd.service"
+    assert ext.calls()[-1] == f"start {UNITS}"
     assert ext.status(1)["status"] == "success"
 
     changed = json.loads(json.dumps(PUBLIC))
@@ -232,13 +234,13 @@ def test_enable_is_idempotent_and_restarts_once_per_change(ext: Ext) -> None:
     ext.settings(2, changed)
     before = len(ext.calls())
     _ok(ext.run("enable", seq=2))
-    assert ext.calls()[before:] == ["enable sefwd.service", "restart sefwd.service"]
+    assert ext.calls()[before:] == [f"enable {UNITS}", f"restart {UNITS}"]
     assert tomllib.loads(ext.config.read_text())["imds"]["poll_interval"] == "500ms"
 
     rotated = {"env": {**PROTECTED["env"], "SEFWD_WEBHOOK_SECRET": "whsec_" + base64.b64encode(b"k" * 32).decode()}}
     ext.settings(3, changed, rotated)  # only a secret changes: the service must re-read its environment
     _ok(ext.run("enable", seq=3))
-    assert ext.calls()[-1] == "restart sefwd.service"
+    assert ext.calls()[-1] == f"restart {UNITS}"
     assert "env changed" in ext.status(3)["formattedMessage"]["message"]
 
 
@@ -305,9 +307,15 @@ def test_disable_stops_the_service_and_enable_brings_it_back(ext: Ext) -> None:
     _ok(ext.run("disable"))
     status = ext.status(0)
     assert (status["operation"], status["status"]) == ("Disable", "success")
-    assert ext.calls()[-1] == "disable --now sefwd.service"
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
+    # The secrets go with the service (waagent may run no uninstall after a disable); enable writes them again.
+    assert not ext.env_file.exists() and ext.config.exists()
+    assert "secrets removed until the next enable" in status["formattedMessage"]["message"]
     _ok(ext.run("enable"))
-    assert ext.calls()[-2:] == ["enable sefwd.service", "start sefwd.service"]
+    assert ext.calls()[-2:] == [f"enable {UNITS}", f"restart {UNITS}"]
+    assert source_env_file(ext.env_file)["SEFWD_WEBHOOK_SECRET"] == WEBHOOK_SECRET
+    _ok(ext.run("enable"))
+    assert ext.calls()[-1] == f"start {UNITS}"
 
 
 def test_uninstall_removes_config_and_secrets(ext: Ext) -> None:
@@ -315,7 +323,7 @@ def test_uninstall_removes_config_and_secrets(ext: Ext) -> None:
     _ok(ext.run("enable"))
     _ok(ext.run("uninstall"))
     assert ext.status(0)["operation"] == "Uninstall" and ext.status(0)["status"] == "success"
-    assert ext.calls()[-1] == "disable --now sefwd.service"
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
     assert not ext.config.exists() and not ext.env_file.exists() and not ext.config.parent.exists()
 
 
@@ -328,11 +336,11 @@ def test_update_keeps_the_installation_through_the_old_versions_uninstall(ext: E
     assert "1.0.0" in ext.status(0)["formattedMessage"]["message"]
     _ok(ext.run("uninstall"))
     assert "update in progress" in ext.status(0)["formattedMessage"]["message"]
-    assert ext.config.exists() and ext.env_file.exists()
+    assert ext.config.exists() and (ext.root / "etc/sefwd/.extension-manifest.json").exists()
     _ok(ext.run("install"))
     assert not (ext.root / "etc/sefwd/.extension-update").exists()
     _ok(ext.run("enable"))
-    assert ext.calls()[-2:] == ["enable sefwd.service", "start sefwd.service"]
+    assert ext.calls()[-2:] == [f"enable {UNITS}", f"restart {UNITS}"]  # the secrets written again
     _ok(ext.run("uninstall"))  # without an update under way it removes everything
     assert not ext.config.exists()
 
@@ -345,9 +353,9 @@ def test_service_manager_failure_is_reported_and_the_restart_retried(ext: Ext) -
     assert status["status"] == "error" and status["code"] == 13 and "(exit 5)" in status["formattedMessage"]["message"]
     # The files were swapped in but never applied: the next enable must restart although they match.
     _ok(ext.run("enable"))
-    assert ext.calls()[-1] == "restart sefwd.service"
+    assert ext.calls()[-1] == f"restart {UNITS}"
     _ok(ext.run("enable"))
-    assert ext.calls()[-1] == "start sefwd.service"
+    assert ext.calls()[-1] == f"start {UNITS}"
 
 
 def test_no_settings_means_agent_defaults(ext: Ext) -> None:
@@ -487,7 +495,7 @@ class Vm:
     def __init__(self, tmp: Path, waagent: tuple[Path, str], scale: float = 1.0, **switches: str) -> None:
         self.tmp, (self.waagent_dir, self.thumbprint) = tmp, waagent
         self.root = tmp / "root"
-        self.root.mkdir()
+        (self.root / "var/lib/sefwd").mkdir(parents=True)  # the agent's state dir, as install.sh makes it
         self.calls_file = tmp / "calls.txt"
         stub = tmp / "systemctl-stub"
         stub.write_text(GA_STUB)
@@ -525,6 +533,14 @@ class Vm:
     def ran(self) -> list[tuple[str, str, int | None]]:
         return [(r.version, r.command, r.exit_code) for r in self.ga.runs]
 
+    def timer(self) -> str:
+        """One run of the root timer enable installed: its unit's ExecStart, as systemd would run it."""
+        unit = (self.root / "etc/systemd/system/sefwd-extension-heartbeat.service").read_text()
+        exec_start = next(line.split("=", 1)[1] for line in unit.splitlines() if line.startswith("ExecStart="))
+        proc = subprocess.run(exec_start.split(), env=self.ga.env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stderr == "", proc
+        return proc.stdout.strip()
+
 
 @pytest.fixture
 def vm(tmp_path: Path, waagent: tuple[Path, str]) -> Vm:
@@ -547,8 +563,10 @@ def test_lifecycle_under_the_guest_agent(vm: Vm, package: Path) -> None:
     assert report.settings_status is not None
     assert (report.settings_status["status"], report.settings_status["code"]) == ("success", 0)
     assert report.settings_status["operation"] == "Enable"
-    # The guest agent's heartbeatFile leads to the file the running agent refreshes.
-    assert os.readlink(vm.ga.heartbeat_file("1.0.0")) == str(vm.agent_heartbeat)
+    # The guest agent's heartbeatFile is root's own file, refreshed by a root timer from the agent's.
+    assert not vm.ga.heartbeat_file("1.0.0").is_symlink() and vm.ga.heartbeat_file("1.0.0").is_file()
+    assert f"handler.py heartbeat" in (vm.root / "etc/systemd/system/sefwd-extension-heartbeat.service").read_text()
+    assert vm.timer() == "heartbeat: no agent heartbeat yet"
     assert source_env_file(vm.env_file)["SEFWD_AGENT_HEARTBEAT_FILE"] == str(vm.agent_heartbeat)
     assert tomllib.loads(vm.config.read_text()) == PUBLIC
     # Each command's stdout is one line; nothing on stderr: logs are in handler.log.
@@ -614,6 +632,42 @@ def test_an_install_failure_reaches_azure_cause_first(vm: Vm, package: Path, tmp
     assert "Collecting package-299" in log
 
 
+PARTIAL_INSTALL = """#!/bin/sh
+# install.sh that gets as far as the venv and the first config, then fails (pip could not reach the index)
+while [ $# -gt 0 ]; do if [ "$1" = --prefix ]; then prefix="$2"; fi; shift; done
+mkdir -p "$prefix/opt/sefwd/venv/bin" "$prefix/etc/sefwd"
+: > "$prefix/opt/sefwd/venv/bin/python"
+[ -e "$prefix/opt/sefwd/install.env" ] || echo SEFWD_CREATED_USER=no > "$prefix/opt/sefwd/install.env"
+[ -e "$prefix/etc/sefwd/config.toml" ] || echo "# install.sh's first config" > "$prefix/etc/sefwd/config.toml"
+[ -e "$prefix/etc/sefwd/env" ] || echo "# secrets" > "$prefix/etc/sefwd/env"
+echo "install.sh: error: pip install failed" >&2
+exit 1
+"""
+
+
+def test_a_failed_install_undoes_itself_since_removal_runs_no_uninstall(vm: Vm, package: Path, tmp_path: Path) -> None:
+    pkg = repackage(package, tmp_path / "partial.zip", {
+        "wheels/scheduled_events_forwarder-0.1.0-py3-none-any.whl": "", "linux/install.sh": PARTIAL_INSTALL})
+    vm.ga.env["SEFWD_EXT_SKIP_INSTALL"] = "0"
+    assert not vm.ga.enable(pkg, "1.0.0", vm.settings(0, PUBLIC))
+    assert "the partial installation was removed (the guest agent runs no uninstall after a failed install)" in (
+        vm.report().message)
+    assert not (vm.root / "opt/sefwd").exists() and not (vm.root / "etc/sefwd").exists()
+    assert vm.ga.uninstall()
+    assert vm.ran() == [("1.0.0", "install", 14)]  # removing it ran nothing
+    assert not vm.ga.instances["1.0.0"].dir.exists()
+
+
+def test_a_failed_install_over_an_existing_installation_leaves_it(vm: Vm, package: Path, tmp_path: Path) -> None:
+    _set_up_by_the_operator(vm.root)
+    pkg = repackage(package, tmp_path / "partial.zip", {
+        "wheels/scheduled_events_forwarder-0.1.0-py3-none-any.whl": "", "linux/install.sh": PARTIAL_INSTALL})
+    vm.ga.env["SEFWD_EXT_SKIP_INSTALL"] = "0"
+    assert not vm.ga.enable(pkg, "1.0.0", vm.settings(0, PUBLIC))
+    assert "the installation that was there before is left as it was" in vm.report().message
+    assert (vm.root / "opt/sefwd/install.env").exists() and vm.config.read_text() == OPERATOR_CONFIG
+
+
 @pytest.mark.slow  # waits out real step limits
 def test_steps_past_their_budget_are_killed_before_the_guest_agent_would(
         tmp_path: Path, waagent: tuple[Path, str], package: Path) -> None:
@@ -624,7 +678,7 @@ def test_steps_past_their_budget_are_killed_before_the_guest_agent_would(
     run = vm.ga.runs[-1]
     assert run.exit_code == 13 and run.seconds < LIMITS["enable"] * SCALE  # the handler's own error, in time
     message = vm.report().settings_status["message"]  # type: ignore[index]
-    assert "restart sefwd.service: systemctl start did not finish within its" in message
+    assert f"restart {UNITS}: systemctl start did not finish within its" in message
     child = int(Path(f"{vm.calls_file}.child").read_text())
     wait_until(lambda: not _alive(child), 10, "the stub's child killed with its process group")
 
@@ -687,13 +741,16 @@ def test_disable_never_blocks_uninstall_or_an_update(vm: Vm, package: Path, tmp_
 def test_disable_and_uninstall_are_idempotent_without_a_service_manager(ext: Ext) -> None:
     ext.settings(0, PUBLIC)
     _ok(ext.run("enable"))
+    messages = []
     for command in ("disable", "disable", "uninstall", "uninstall"):
         proc = ext.run(command, SEFWD_EXT_SERVICE_CMD=str(ext.dir / "no-such-systemctl"))
         _ok(proc)
         assert proc.stderr == "" and len(proc.stdout.splitlines()) == 1
-    message = ext.status(0)["formattedMessage"]["message"]
-    assert "the service manager failed (ignored)" in message and "no service manager" in message
+        messages.append(ext.status(0)["formattedMessage"]["message"])
+    assert "the service manager failed (ignored)" in messages[2] and "no service manager" in messages[2]
     assert not ext.config.exists()
+    # Once uninstalled nothing is the extension's any more: the second uninstall touches nothing.
+    assert messages[3].endswith("removed: nothing")
 
 
 def test_the_running_agent_keeps_the_heartbeat_fresh(vm: Vm, package: Path, tmp_path: Path) -> None:
@@ -704,15 +761,19 @@ def test_the_running_agent_keeps_the_heartbeat_fresh(vm: Vm, package: Path, tmp_
         config = write_config(tmp_path / "c.toml", emu.url, tmp_path / "state")
         agent = AgentProcess(config, tmp_path / "a.log", env=env)
         try:
-            report = wait_until(lambda: (r := vm.report()).message.startswith("sefwd ") and "enabled" not in r.message
-                                and r, 60, "the agent's own heartbeat")
+            report = wait_until(lambda: vm.timer() and (r := vm.report()).message.startswith("sefwd ")
+                                and "enabled" not in r.message and r, 60, "the agent's own heartbeat, copied")
             assert report.status == "Ready" and report.message.startswith(("sefwd starting", "sefwd running"))
         finally:
             assert agent.terminate() == 0
+    assert vm.timer() == "heartbeat: copied"
     report = vm.report()
     assert (report.status, report.message.split(" (")[0]) == ("NotReady", "sefwd stopped")
-    stale = time.time() - 601
-    os.utime(vm.agent_heartbeat, (stale, stale))
+    assert vm.ga.heartbeat_file("1.0.0").stat().st_mtime == vm.agent_heartbeat.stat().st_mtime  # it ages with the agent's
+    stale = time.time() - 601  # ten minutes later: the agent wrote nothing since
+    for path in (vm.agent_heartbeat, vm.ga.heartbeat_file("1.0.0")):
+        os.utime(path, (stale, stale))
+    assert vm.timer() == "heartbeat: heartbeatFile is current"  # the timer never makes an old heartbeat look new
     assert vm.report().status == "Unresponsive"  # what the guest agent says once the agent is gone
 
 
@@ -761,3 +822,303 @@ def test_notify_urls_in_public_settings_are_refused_without_echoing_them(ext: Ex
     assert ext.config.read_bytes() == good
     texts = [proc.stdout, proc.stderr, message, *(p.read_text() for p in ext.log_dir.iterdir())]
     assert not any("T0KENthatShouldStayPrivate" in t for t in texts)
+
+
+# -- safe to fail, overlap, repeat and remove ---------------------------------------------------------
+
+def _mount_namespace_works() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                            'd=$(mktemp -d) && mount -t tmpfs -o size=4k tmpfs "$d" && umount "$d"; rmdir "$d"'],
+                           capture_output=True, timeout=30)
+    return probe.returncode == 0
+
+
+FULL_DISK = """set -e
+for dir in "$STATUS_DIR" "$LOG_DIR"; do
+    mkdir -p "$dir"
+    mount -t tmpfs -o size=8k,nr_inodes=8 tmpfs "$dir"
+    dd if=/dev/zero of="$dir/filler" bs=1k count=64 2>/dev/null || true
+    i=0; while touch "$dir/f$i" 2>/dev/null; do i=$((i + 1)); done
+done
+exec "$@"
+"""
+
+
+def test_disable_and_uninstall_act_on_a_full_disk(ext: Ext) -> None:
+    """The status and log folders full (tiny tmpfs mounts in a private mount namespace): disable still
+    stops the service and exits 0, uninstall still removes the config and the secrets."""
+    if not _mount_namespace_works():
+        pytest.skip("cannot mount a tmpfs in a private mount namespace here (not root?)")
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+
+    def full(command: str) -> subprocess.CompletedProcess[str]:
+        wrapper = ext.dir / "full-disk.sh"
+        wrapper.write_text(FULL_DISK)
+        return ext.run(command, wrap=("unshare", "-m", "--propagation", "private", "sh", str(wrapper)),
+                       STATUS_DIR=str(ext.status_dir), LOG_DIR=str(ext.log_dir))
+
+    proc = full("disable")
+    assert proc.returncode == 0, proc
+    assert proc.stdout.startswith("Disable succeeded: sefwd stopped and disabled") and "Traceback" not in proc.stderr
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
+    proc = full("uninstall")
+    assert proc.returncode == 0, proc
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
+    assert not ext.config.exists() and not ext.env_file.exists() and not ext.config.parent.exists()
+
+
+def test_disable_and_uninstall_act_when_the_status_file_cannot_be_written(ext: Ext) -> None:
+    """``<seq>.status`` is a directory (as unwritable as a read-only disk, even for root)."""
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    (ext.status_dir / "0.status").unlink()
+    (ext.status_dir / "0.status").mkdir()
+    proc = ext.run("disable")
+    assert proc.returncode == 0 and proc.stdout.startswith("Disable succeeded"), proc
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
+    assert "cannot write status file" in (ext.log_dir / "handler.log").read_text()
+    proc = ext.run("uninstall")
+    assert proc.returncode == 0 and proc.stdout.startswith("Uninstall succeeded"), proc
+    assert not ext.config.exists() and not ext.env_file.exists()
+    # enable reports through its exit code and stdout when it cannot write its status
+    ext.settings(0, {"sinks": [{"type": "nosuch"}]})
+    proc = ext.run("enable")
+    assert proc.returncode == 12 and "nosuch" in proc.stdout and proc.stderr == ""
+
+
+CHECK_GATE = """#!/bin/sh
+# `sefwd config check` held at a gate: HOLD_AFTER holds after the real check, HOLD_BEFORE before it.
+if [ -n "$HOLD_BEFORE" ]; then touch "$HOLD_BEFORE.reached"; while [ ! -e "$HOLD_BEFORE" ]; do sleep 0.05; done; fi
+"$REAL_PYTHON" -m forwarder "$@"; rc=$?
+if [ -n "$HOLD_AFTER" ]; then touch "$HOLD_AFTER.reached"; while [ ! -e "$HOLD_AFTER" ]; do sleep 0.05; done; fi
+exit $rc
+"""
+
+
+def test_two_enables_at_once_never_install_a_rejected_config(ext: Ext, tmp_path: Path) -> None:
+    """An enable whose config passed its check is held before swapping it in while a second enable
+    with a rejected config runs: the rejected config must never become the config."""
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    gate = tmp_path / "check-gate.sh"
+    gate.write_text(CHECK_GATE)
+    gate.chmod(0o755)
+    good = {**PUBLIC, "imds": {"poll_interval": "3s"}}
+    bad = {"imds": {"poll_interval": "1ms"}, "sinks": [{"type": "nosuch"}]}
+    ext.settings(1, good)
+    ext.settings(2, bad)
+    hold_a, hold_b = tmp_path / "release-a", tmp_path / "release-b"
+
+    def start(seq: int, **hold: str) -> subprocess.Popen[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SEFWD_", "ConfigSequence"))}
+        env.update({"SEFWD_EXT_ROOT": str(ext.root), "SEFWD_EXT_WAAGENT_DIR": str(ext.waagent_dir),
+                    "SEFWD_EXT_SERVICE_CMD": str(ext.stub), "SEFWD_EXT_SEFWD_CMD": str(gate),
+                    "SEFWD_EXT_SKIP_INSTALL": "1", "REAL_PYTHON": sys.executable, "PYTHONPATH": str(REPO),
+                    "STUB_CALLS": str(ext.calls_file), "STUB_STATUS_DIR": str(ext.status_dir),
+                    "STUB_SNAPSHOT": str(ext.snapshot), "ConfigSequenceNumber": str(seq), **hold})
+        return subprocess.Popen([sys.executable, str(ext.dir / "handler.py"), "enable"], cwd=ext.dir, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = start(1, HOLD_AFTER=str(hold_a))
+    second = None
+    try:
+        wait_until(lambda: Path(f"{hold_a}.reached").exists() or first.poll() is not None, 60, "the first check passed")
+        second = start(2, HOLD_BEFORE=str(hold_b))
+        log = ext.log_dir / "handler.log"
+        wait_until(lambda: Path(f"{hold_b}.reached").exists() or "waiting up to" in log.read_text(), 60,
+                   "the second enable at its check or at the lock")
+        hold_a.touch()
+        hold_b.touch()
+        out_a, _ = first.communicate(timeout=120)
+        out_b, _ = second.communicate(timeout=120)
+    finally:
+        hold_a.touch()
+        hold_b.touch()
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+    assert first.returncode == 0, out_a
+    assert second.returncode == 12 and "previous config kept" in out_b, out_b
+    assert tomllib.loads(ext.config.read_text()) == good  # the config that passed its check, nothing else
+    assert ext.status(1)["status"] == "success" and ext.status(2)["code"] == 12
+    assert not list(ext.config.parent.glob("*ext-new*")) and not (ext.root / "etc/sefwd/.extension-journal.json").exists()
+
+
+def test_an_interrupted_swap_is_completed_by_the_next_command(ext: Ext, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Killed between its renames, an enable leaves a journal: the next command finishes the swap,
+    so config and secrets are both old or both new, and the next enable restarts the service."""
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    handler = load_handler_module()
+    monkeypatch.setenv("SEFWD_EXT_ROOT", str(ext.root))
+    config_path, env_path = str(ext.config), str(ext.env_file)
+    new_config, new_env = b"# new config\n", b"# new env\n"
+    pairs = [[handler._stage(config_path, new_config, 0o640), config_path],
+             [handler._stage(env_path, new_env, 0o600), env_path]]
+    (ext.root / "etc/sefwd/.extension-restart-pending").write_bytes(b"")
+    (ext.root / "etc/sefwd/.extension-journal.json").write_text(json.dumps({"renames": pairs}))
+    os.replace(*pairs[0])  # the command was killed here: new config, old secrets
+    _ok(ext.run("disable"))
+    assert ext.config.read_bytes() == new_config and ext.env_file.exists() is False  # disable then removes the secrets
+    assert "an interrupted command was completed" in ext.status(0)["formattedMessage"]["message"]
+    assert not list(ext.config.parent.glob("*ext-new*"))
+    _ok(ext.run("enable"))
+    assert ext.calls()[-1] == f"restart {UNITS}" and tomllib.loads(ext.config.read_text()) == PUBLIC
+
+
+def test_a_stray_staged_file_of_a_killed_command_is_removed(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    stray = [ext.config.parent / "config.toml.ext-new", ext.config.parent / ".env.x1y2z3.ext-new"]
+    for path in stray:
+        path.write_text("half-written")
+    _ok(ext.run("enable"))
+    assert not any(path.exists() for path in stray)
+
+
+OPERATOR_CONFIG = """# written by cloud-init for this VM
+[[sinks]]
+type = "webhook"
+name = "ops"
+url = "https://hooks.example.com/ops"
+secret_env = "OPS_WEBHOOK_SECRET"
+"""
+OPERATOR_ENV = 'OPS_WEBHOOK_SECRET="whsec_b3BlcmF0b3Itc2VjcmV0LW9mLXRoaXMtdm0hISE="\n'
+
+
+def _set_up_by_the_operator(root: Path) -> None:
+    """/etc/sefwd and /opt/sefwd as install.sh leaves them, with the operator's own sink and secret."""
+    etc = root / "etc/sefwd"
+    etc.mkdir(parents=True)
+    (etc / "config.toml").write_text(OPERATOR_CONFIG)
+    (etc / "config.toml").chmod(0o640)
+    (etc / "env").write_text(OPERATOR_ENV)
+    (etc / "env").chmod(0o600)
+    (root / "opt/sefwd").mkdir(parents=True)
+    (root / "opt/sefwd/install.env").write_text("# Written by install.sh\nSEFWD_VERSION=0.1.0\nSEFWD_CREATED_USER=no\n")
+
+
+def test_a_vm_set_up_before_the_extension_keeps_its_files_until_handed_over(vm: Vm, package: Path) -> None:
+    _set_up_by_the_operator(vm.root)
+    etc = vm.root / "etc/sefwd"
+    assert not vm.ga.enable(package, "1.0.0", vm.settings(0, PUBLIC))
+    assert vm.ran() == [("1.0.0", "install", 0), ("1.0.0", "enable", 16)]
+    status = vm.report().settings_status
+    assert status is not None and (status["status"], status["code"]) == ("error", 16)
+    message = status["message"]
+    assert "/etc/sefwd/config.toml and /etc/sefwd/env were not written by this extension" in message
+    assert "mv /etc/sefwd/config.toml /etc/sefwd/config.toml.before-extension" in message
+    assert (etc / "config.toml").read_text() == OPERATOR_CONFIG and (etc / "env").read_text() == OPERATOR_ENV
+    assert vm.calls() == []  # the operator's service was not touched
+
+    # Removing the extension leaves the operator's installation and files as they were.
+    assert vm.ga.uninstall()
+    assert (etc / "config.toml").read_text() == OPERATOR_CONFIG and (etc / "env").read_text() == OPERATOR_ENV
+    assert (vm.root / "opt/sefwd/install.env").exists() and vm.calls() == []
+    assert not (etc / ".extension-manifest.json").exists()
+
+    # Handed over as the status says: the extension writes and later removes only its own files.
+    for name in ("config.toml", "env"):
+        (etc / name).rename(etc / f"{name}.before-extension")
+    assert vm.ga.enable(package, "1.0.0", vm.settings(0, PUBLIC))
+    assert tomllib.loads(vm.config.read_text()) == PUBLIC and vm.calls()[-1] == f"restart {UNITS}"
+    assert vm.ga.uninstall()
+    assert not vm.config.exists() and not vm.env_file.exists()
+    assert (etc / "config.toml.before-extension").read_text() == OPERATOR_CONFIG
+    assert (vm.root / "opt/sefwd/install.env").exists()  # there before the extension: left in place
+    assert "the installation (/opt/sefwd, the unit, the user) was there before the extension" in (
+        vm.ga.instances["1.0.0"].log_dir / "handler.log").read_text()
+
+
+def test_files_an_earlier_extension_version_wrote_are_still_its_own(ext: Ext) -> None:
+    """No manifest (written by a version before it existed): the header says whose the files are."""
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    (ext.root / "etc/sefwd/.extension-manifest.json").unlink()
+    changed = {**PUBLIC, "imds": {"poll_interval": "3s"}}
+    ext.settings(1, changed)
+    _ok(ext.run("enable", seq=1))
+    assert tomllib.loads(ext.config.read_text()) == changed
+
+
+def _plant(vm: Vm, data: bytes | None = None, size: int | None = None) -> None:
+    """What a compromised service user can do to its own heartbeat file."""
+    path = vm.agent_heartbeat
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    if data is not None:
+        path.write_bytes(data)
+    if size is not None:
+        with open(path, "ab") as f:
+            f.truncate(size)  # sparse: no block written
+
+
+@pytest.mark.parametrize("planted", [
+    pytest.param(b'[{"version": 1.0, "heartbeat": {"status": "Ready", "code": "0", "formattedMessage": "up"}}]', id="wrong-shape"),
+    pytest.param(b'{"heartbeat": []}', id="not-a-list"),
+    pytest.param(None, id="sparse-64MiB"),
+])
+def test_a_planted_heartbeat_never_reaches_the_guest_agent(vm: Vm, package: Path, planted: bytes | None) -> None:
+    assert vm.ga.enable(package, "1.0.0", vm.settings(0, {}, protected=None))
+    _plant(vm, planted, size=64 * 2**20 if planted is None else None)
+    heartbeat = vm.ga.heartbeat_file("1.0.0")
+    future = time.time() + 5  # the agent's file is newer than the handler's last word
+    os.utime(vm.agent_heartbeat, (future, future))
+    assert vm.timer().startswith("heartbeat: refused: ")
+    assert not heartbeat.is_symlink() and heartbeat.stat().st_size < 4096  # never a link to the service user's file
+    doc = json.loads(heartbeat.read_text())
+    assert doc[0]["heartbeat"]["status"] == "NotReady" and doc[0]["heartbeat"]["formattedMessage"]["lang"] == "en-US"
+    report = vm.report()  # the guest agent reads a well-formed heartbeat that says what is wrong
+    assert report.status == "NotReady" and "sefwd's heartbeat file /var/lib/sefwd/extension-heartbeat.json refused" in report.message
+
+
+def test_a_fifo_or_a_link_as_the_agents_heartbeat_is_refused_unread(vm: Vm, package: Path, tmp_path: Path) -> None:
+    assert vm.ga.enable(package, "1.0.0", vm.settings(0, {}, protected=None))
+    root_only = tmp_path / "root-only"
+    root_only.write_text(json.dumps([{"version": 1.0, "heartbeat": {
+        "status": "Ready", "code": 0, "formattedMessage": {"lang": "en-US", "message": "root's secret"}}}]))
+    vm.agent_heartbeat.unlink(missing_ok=True)
+    vm.agent_heartbeat.symlink_to(root_only)
+    os.utime(vm.agent_heartbeat, (time.time() + 5, time.time() + 5), follow_symlinks=False)
+    assert "refused: cannot open" in vm.timer()
+    assert "root's secret" not in vm.ga.heartbeat_file("1.0.0").read_text()
+    vm.agent_heartbeat.unlink()
+    os.mkfifo(vm.agent_heartbeat)  # a reader would block forever
+    os.utime(vm.agent_heartbeat, (time.time() + 10, time.time() + 10))
+    assert vm.timer() == "heartbeat: refused: not a regular file"
+
+
+def test_a_held_lock_stops_enable_but_never_disable(ext: Ext) -> None:
+    """Another command holding the lock past the wait: enable changes nothing (exit 17), disable acts anyway."""
+    import fcntl
+
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    good, calls = ext.config.read_bytes(), ext.calls()
+    lock_path = ext.root / "run/lock/sefwd-extension.lock"
+    ext.settings(1, {**PUBLIC, "imds": {"poll_interval": "3s"}})
+    with open(lock_path, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = ext.run("enable", seq=1, SEFWD_EXT_TIME_SCALE="0.01")  # waits 0.3 s for the lock
+        assert proc.returncode == 17 and "nothing changed" in proc.stdout, proc
+        assert ext.config.read_bytes() == good and ext.calls() == calls and not (ext.status_dir / "1.status").exists()
+        proc = ext.run("disable", SEFWD_EXT_TIME_SCALE="0.01")
+        assert proc.returncode == 0 and "went on without it" in proc.stdout, proc
+        assert ext.calls()[-1] == f"disable --now {UNITS}"
+    _ok(ext.run("enable", seq=1))  # the lock free again
+    assert tomllib.loads(ext.config.read_text())["imds"]["poll_interval"] == "3s"
+
+
+def test_disable_and_uninstall_act_without_a_handler_environment(ext: Ext) -> None:
+    ext.settings(0, PUBLIC)
+    _ok(ext.run("enable"))
+    (ext.dir / "HandlerEnvironment.json").unlink()
+    assert ext.run("enable").returncode == 1  # nothing to go on
+    proc = ext.run("disable")
+    assert proc.returncode == 0 and "HandlerEnvironment.json" in proc.stdout, proc
+    assert ext.calls()[-1] == f"disable --now {UNITS}"
+    _ok(ext.run("uninstall"))
+    assert not ext.config.exists()

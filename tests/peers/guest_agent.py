@@ -17,6 +17,8 @@ what reaches Azure.
 * A failed command sets the handler status NotReady with code 1007 install, 1008 update, 1009
   enable, 1010 disable, 1011 timeout, and the message ``Non-zero exit code: N, <cmd>`` (or
   ``Timeout(T): <cmd>``) followed by the output. The extension's own exit code is only text.
+* Removing the extension runs disable (if enabled) and uninstall, then deletes the directory; for a
+  handler whose install failed (still NotInstalled) it runs nothing and only deletes the directory.
 * Disable runs outside the error handling of uninstall and update: a failing disable leaves the
   handler installed (uninstall) or aborts the update (the old version stays) unless the manifest
   says ``continueOnUpdateFailure``. A failing uninstall is ignored (the directory goes anyway).
@@ -169,6 +171,11 @@ class GuestAgent:
     def uninstall(self) -> bool:
         """A goal state without the extension (waagent's handle_uninstall)."""
         if self.installed is None:
+            # A handler whose install failed is still NotInstalled: waagent runs no command at all and
+            # deletes its directory.
+            failed = self.instances.get(self.current or "")
+            if failed is not None and failed.dir.exists():
+                self._remove(failed)
             return True
         inst = self.instances[self.installed]
         self.current = inst.version

@@ -137,7 +137,7 @@ def test_install_paths_match_the_unit_and_the_vm_extension() -> None:
 
 def test_the_vm_extension_heartbeat_is_where_the_hardened_unit_may_write() -> None:
     # The agent runs with ProtectSystem=strict: only its StateDirectory (/var/lib/sefwd) is writable,
-    # so the file the extension links waagent's heartbeatFile to must live there.
+    # so the file the extension's root timer copies to waagent's heartbeatFile must live there.
     unit = (LINUX / "sefwd.service").read_text()
     handler = (ROOT / "deploy" / "vm-extension" / "handler.py").read_text()
     assert "ProtectSystem=strict" in unit and "StateDirectory=sefwd" in unit
