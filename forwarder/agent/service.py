@@ -191,7 +191,7 @@ class Agent:
         data["imds"] = {
             "endpoint": self.config.imds.endpoint,
             "waiting_since": rfc3339(self.waiting_since) if st.last_ok_wall is None else None,
-            "api_version": self.config.imds.api_version,
+            "api_version": poller.factory.api_version,
             "polls": st.polls,
             "imds_errors": st.imds_errors,
             "bad_documents": st.bad_documents,

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from forwarder.imds.event_types import EVENT_TYPES
 from forwarder.emulator.faults import FAULT_KINDS, FAULT_PATHS, OUT_OF_RANGE_FIELDS
 from forwarder.errors import ConfigError, ForwarderError
 from forwarder.common.values import parse_duration, parse_size
@@ -66,6 +67,9 @@ def register(subparsers: Any, prog: str | None = None) -> None:
     p.add_argument("--terminate-notice", default=None, metavar="DURATION",
                    help='NotBefore notice of Terminate events (5m to 15m; default "5m")')
     p.add_argument("--etag", action="store_true", help="send ETag and answer If-None-Match with 304")
+    p.add_argument("--max-api-version", default=None, metavar="VERSION",
+                   help="newest Scheduled Events api-version served; newer ones answer 404 as where they are "
+                        "not available (e.g. 2020-07-01: no 2024-07-09)")
     p.add_argument("--arm-tls", nargs=2, metavar=("CERT", "KEY"),
                    help="also serve Azure Resource Manager scheduled-event acknowledgement over HTTPS with this "
                         "certificate and key (PEM), on the --listen host")
@@ -84,7 +88,7 @@ def register(subparsers: Any, prog: str | None = None) -> None:
     actions.required = True
     actions.add_parser("state", help="print events, incarnation and counters as JSON")
     s = actions.add_parser("schedule", help="add an event")
-    s.add_argument("--type", default="Reboot", choices=["Freeze", "Reboot", "Redeploy", "Preempt", "Terminate"])
+    s.add_argument("--type", default="Reboot", choices=list(EVENT_TYPES))
     s.add_argument("--id", help="EventId (default: a new GUID)")
     s.add_argument("--source", choices=["Platform", "User"])
     s.add_argument("--description")
@@ -181,6 +185,11 @@ def run(args: argparse.Namespace) -> int:
             timings[key] = parse_duration(value) if value is not None else None
         except ValueError as exc:
             problems.append(f"--{key.replace('_', '-')}: {exc}")
+    if args.max_api_version is not None:
+        from forwarder.emulator.model import SE_VERSIONS
+
+        if args.max_api_version not in SE_VERSIONS:
+            problems.append(f"--max-api-version: must be one of {', '.join(SE_VERSIONS)}, got {args.max_api_version!r}")
     if args.arm_tls:
         from forwarder.common.listen import tls_server_context
 
@@ -201,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         emulator = Emulator(host, port, scenario=args.scenario, vms=args.vms, rate_limit=args.rate_limit or None,
                             time_scale=args.time_scale, first_call_delay=timings["first_call_delay"],
                             terminate_notice=timings["terminate_notice"], etag=args.etag,
+                            max_api_version=args.max_api_version,
                             arm_tls=tuple(args.arm_tls) if args.arm_tls else None, arm_port=args.arm_port)
         try:
             emulator.start()

@@ -298,6 +298,10 @@ class _Handler(QuietHandler):
             self._send(200, _json({"apiVersions": list(INSTANCE_VERSIONS)}))
             return 200
         version = params.get("api-version")
+        if endpoint == "scheduledevents" and version in SE_VERSIONS and version > emu.max_api_version:
+            # Where a version is not available (2024-07-09 outside its preview) IMDS answers 404.
+            self._error(404, "Not found. The requested api-version is not available on this VM")
+            return 404
         problem = self._check_version(endpoint, version)
         if problem is not None:
             newest = list(reversed(SE_VERSIONS if endpoint == "scheduledevents" else INSTANCE_VERSIONS))[:3]
@@ -515,6 +519,7 @@ class Emulator:
         arm_port: int = 0,
         arm_grants: Mapping[str, Iterable[str]] | None = None,
         limits: ConnectionLimits = EMULATOR_LIMITS,
+        max_api_version: str | None = None,
     ) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must not be negative, got {time_scale!r}")
@@ -531,6 +536,10 @@ class Emulator:
                   else sc.terminate_notice if sc and sc.terminate_notice is not None else MIN_NOTICE["Terminate"])
         self.etag = etag
         self.limits = limits
+        # The newest Scheduled Events api-version served; newer known ones answer 404 (e.g. GA_SE_VERSION).
+        if max_api_version is not None and max_api_version not in SE_VERSIONS:
+            raise ValueError(f"max_api_version must be one of {', '.join(SE_VERSIONS)}, got {max_api_version!r}")
+        self.max_api_version = max_api_version or SE_VERSIONS[-1]
         self.platform = Platform(profiles, time_scale=time_scale, clock=clock, terminate_notice=notice,
                                  rate_limit=rate_limit, token_rate_limit=token_rate_limit,
                                  token_concurrency=token_concurrency)

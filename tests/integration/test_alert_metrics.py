@@ -67,7 +67,7 @@ def test_series_stay_fixed_while_10000_events_come_and_go(tmp_path):
     """A real agent reads 20 documents of 500 fresh events each (every type and status, this VM and
     another; each document drops the previous one's events): 10,000 events come and go. Every scrape's
     series are among those seen while one warm-up document came and went, no label carries an EventId,
-    and the pending gauge always has its 36 series."""
+    and the pending gauge always has its 42 series."""
     me = socket.gethostname()
     state_file = tmp_path / "maintenance.json"
     with HttpPeer(default=document(1, [])) as peer:
@@ -93,7 +93,7 @@ def test_series_stay_fixed_while_10000_events_come_and_go(tmp_path):
                 samples = scrape(base)
                 pending = family(samples, "sefwd_events_pending")
                 assert sum(pending.values()) == count
-                assert len(pending) == 36
+                assert len(pending) == 42  # (7 types × 3 statuses × 2 scopes)
                 if count:
                     assert pending['sefwd_events_pending{affects_this_vm="true",status="Started",type="Reboot"}'] > 0
                     assert pending['sefwd_events_pending{affects_this_vm="false",status="Scheduled",type="Freeze"}'] > 0
