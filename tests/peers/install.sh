@@ -4,3 +4,4 @@
 set -eu
 here="$(dirname "$0")"
 sh "$here/eventhubs/install.sh"
+sh "$here/kusto/install.sh"
