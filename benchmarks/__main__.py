@@ -18,7 +18,8 @@ from benchmarks.common import MODES, machine_info, results_file
 from benchmarks.footprint import HOSTILE_RETURN_MIB, HOSTILE_RSS_GOAL_MIB
 from benchmarks.plots import draw
 
-BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send", "probe")
+BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send", "probe",
+              "notice_window")
 
 
 def _at(value: Any, path: str) -> Any:
@@ -67,6 +68,11 @@ SUMMARY: dict[str, dict[str, str] | str] = {
     "probe": {"answer_p50_ms": "probe.answer_ms.p50", "answer_p99_ms": "probe.answer_ms.p99",
               "route_p99_us": "probe.route_us.p99", "flip_p50_ms": "probe.flip_ms.p50",
               "flip_p99_ms": "probe.flip_ms.p99", "poll_interval_ms": "probe.flip_ms.poll_interval_ms"},
+    # Against the notice window (issue 33): from the agent's histograms on /metrics (docs/notice-window.md).
+    "notice_window": {"detection_p50_ms": "notice_window.detection_latency_ms.p50",
+                      "detection_p99_ms": "notice_window.detection_latency_ms.p99",
+                      "delivery_p50_ms": "notice_window.delivery_latency_ms.histogram_p50",
+                      "delivery_p99_ms": "notice_window.delivery_latency_ms.histogram_p99"},
 }
 
 
