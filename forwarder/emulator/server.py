@@ -18,6 +18,7 @@ from forwarder.emulator.engine import Clock, Platform
 
 if TYPE_CHECKING:
     from forwarder.emulator.arm import ArmServer
+    from forwarder.emulator.eventgrid import EventGridPublisher
 from forwarder.emulator.faults import SHAPING_KINDS, Fault, FaultQueue
 from forwarder.emulator.model import (
     INSTANCE_VERSIONS, MIN_COMPUTE_VERSION, MIN_NOTICE, MIN_TOKEN_VERSION, SE_VERSIONS, SpecError, VmProfile,
@@ -545,6 +546,7 @@ class Emulator:
                                  token_concurrency=token_concurrency)
         self.faults = FaultQueue()
         self.platform.on_fault_step = lambda spec: self.inject_fault(**spec)  # type: ignore[method-assign]
+        self.publishers: list[EventGridPublisher] = []  # the Event Grid side (publish_to)
         self.stop_event = threading.Event()
         self._server: _Server | None = None
         # Azure Resource Manager (scheduled-event acknowledgement) on its own HTTPS listener, when
@@ -591,6 +593,20 @@ class Emulator:
         if self._arm is not None:
             self._arm.stop()
         self._arm = None
+        for publisher in self.publishers:
+            publisher.stop()
+
+    def publish_to(self, url: str, *, duplicates: int = 0, delay: float = 0.0) -> EventGridPublisher:
+        """Also push every change of an event to ``url`` as Event Grid ``ScheduledEventEmitted`` events,
+        after the subscription validation handshake (forwarder.emulator.eventgrid); every ``duplicates``-th
+        event twice, each ``delay`` seconds late."""
+        from forwarder.emulator.eventgrid import EventGridPublisher
+
+        publisher = EventGridPublisher(url, self.platform.vms, duplicates=duplicates, delay=delay).start()
+        self.publishers.append(publisher)
+        with self.platform.lock:
+            self.platform.listeners.append(publisher)
+        return publisher
 
     def __enter__(self) -> Emulator:
         return self.start()
