@@ -74,7 +74,8 @@ def _template_id(path: Path) -> str:
 def test_the_expected_templates_exist():
     names = {_template_id(p) for p in TEMPLATES}
     assert {"azure/eventhubs/azuredeploy.json", "azure/vm-extension/azuredeploy.json",
-            "azure/loganalytics/azuredeploy.json", "dashboards/azuredeploy.json"} <= names
+            "azure/loganalytics/azuredeploy.json", "dashboards/azuredeploy.json",
+            "azure/platform-events/azuredeploy.json"} <= names
 
 
 @pytest.mark.parametrize("path", TEMPLATES, ids=_template_id)
@@ -341,7 +342,7 @@ def test_logic_app_references_resolve():
 # -- guides ---------------------------------------------------------------------------------------
 
 GUIDES = [DEPLOY / "README.md", DEPLOY / "azure" / "README.md", DASHBOARDS / "README.md",
-          DEPLOY / "consumers" / "logic-app" / "README.md"]
+          DEPLOY / "consumers" / "logic-app" / "README.md", DEPLOY / "consumers" / "platform-events" / "README.md"]
 
 
 @pytest.mark.parametrize("path", GUIDES, ids=_template_id)
@@ -353,3 +354,45 @@ def test_guide_links_and_commands_point_at_files_that_exist(path: Path):
     # Files named in commands (deploy/...), relative to the repository root.
     for target in set(re.findall(r"(?<![\w/.])(deploy/[\w./-]+\.(?:json|sh|ps1|py|yaml|yml|kql))", text)):
         assert (ROOT / target).exists(), f"{path.name} names missing {target}"
+
+
+# -- Scheduled Events in Event Grid (issue 33) ------------------------------------------------------
+
+PLATFORM_EVENTS = DEPLOY / "azure" / "platform-events" / "azuredeploy.json"
+
+
+def test_platform_events_template_sets_the_published_policy_shape():
+    template = _load(PLATFORM_EVENTS)
+    policy = template["variables"]["scheduledEventsPolicy"]
+    # The shape of Microsoft's example (azure-rest-api-specs, Compute 2024-11-01,
+    # AvailabilitySet_Create_WithScheduledEventProfile.json): these keys, nothing else.
+    assert set(policy) == {"scheduledEventsAdditionalPublishingTargets", "userInitiatedReboot", "userInitiatedRedeploy"}
+    assert policy["scheduledEventsAdditionalPublishingTargets"] == {
+        "eventGridAndResourceGraph": {"enable": "[parameters('enableEventGridAndResourceGraph')]"}}
+    assert policy["userInitiatedReboot"] == {"automaticallyApprove": "[parameters('userInitiatedRebootAutoApprove')]"}
+    assert policy["userInitiatedRedeploy"] == {"automaticallyApprove": "[parameters('userInitiatedRedeployAutoApprove')]"}
+    # Auto-approval takes the VMs out of the loop: off unless asked for.
+    assert template["parameters"]["userInitiatedRebootAutoApprove"]["defaultValue"] is False
+    assert template["parameters"]["userInitiatedRedeployAutoApprove"]["defaultValue"] is False
+    (avset,) = [r for r in template["resources"] if r["type"] == "Microsoft.Compute/availabilitySets"]
+    assert avset["apiVersion"] >= "2024-11-01" and avset["condition"].startswith("[not(empty(")
+    assert avset["properties"]["scheduledEventsPolicy"] == "[variables('scheduledEventsPolicy')]"
+    assert template["outputs"]["scheduledEventsPolicy"]["value"] == "[variables('scheduledEventsPolicy')]"
+
+
+def test_platform_events_template_subscribes_the_function_to_the_system_topic():
+    template = _load(PLATFORM_EVENTS)
+    (topic,) = [r for r in template["resources"] if r["type"] == "Microsoft.EventGrid/systemTopics"]
+    assert topic["location"] == "global" and topic["properties"]["source"] == "[subscription().id]"
+    assert topic["properties"]["topicType"] == "Microsoft.ResourceNotifications.MaintenanceResources"
+    (sub,) = [r for r in template["resources"] if r["type"] == "Microsoft.EventGrid/systemTopics/eventSubscriptions"]
+    assert template["variables"]["eventType"] == "Microsoft.ResourceNotifications.MaintenanceResources.ScheduledEventEmitted"
+    assert sub["properties"]["filter"]["includedEventTypes"] == ["[variables('eventType')]"]
+    assert sub["properties"]["eventDeliverySchema"] == "EventGridSchema"
+    destination = sub["properties"]["destination"]
+    assert destination["endpointType"] == "AzureFunction"
+    assert "Microsoft.Web/sites/functions" in destination["properties"]["resourceId"]
+    # The default function name is the Event Grid trigger the consumer defines.
+    app = (DEPLOY / "consumers" / "platform-events" / "function_app.py").read_text(encoding="utf-8")
+    default = template["parameters"]["functionName"]["defaultValue"]
+    assert re.search(rf'@app\.function_name\("{default}"\)\s*\n@app\.event_grid_trigger', app)
