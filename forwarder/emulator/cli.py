@@ -67,6 +67,9 @@ def register(subparsers: Any, prog: str | None = None) -> None:
     p.add_argument("--terminate-notice", default=None, metavar="DURATION",
                    help='NotBefore notice of Terminate events (5m to 15m; default "5m")')
     p.add_argument("--etag", action="store_true", help="send ETag and answer If-None-Match with 304")
+    p.add_argument("--eventgrid-url", default=None, metavar="URL",
+                   help="also push every change of an event to URL as Event Grid ScheduledEventEmitted events "
+                        "(after the subscription validation handshake), as the platform's system topic does")
     p.add_argument("--max-api-version", default=None, metavar="VERSION",
                    help="newest Scheduled Events api-version served; newer ones answer 404 as where they are "
                         "not available (e.g. 2020-07-01: no 2024-07-09)")
@@ -185,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
             timings[key] = parse_duration(value) if value is not None else None
         except ValueError as exc:
             problems.append(f"--{key.replace('_', '-')}: {exc}")
+    if args.eventgrid_url is not None and not args.eventgrid_url.startswith(("http://", "https://")):
+        problems.append(f"--eventgrid-url: must be an http(s) URL, got {args.eventgrid_url!r}")
     if args.max_api_version is not None:
         from forwarder.emulator.model import SE_VERSIONS
 
@@ -216,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
             emulator.start()
         except OSError as exc:  # a busy port, a missing permission: one line, not a traceback
             raise ForwarderError(f"cannot listen on {host_port_text(host, port)}: {exc.strerror or exc}") from None
+        if args.eventgrid_url:
+            emulator.publish_to(args.eventgrid_url)
         try:
             print(f"IMDS emulator at {emulator.url} (default VM {emulator.default_vm}; "
                   f"others at {emulator.url}/vm/<name>; control API {emulator.url}/_emulator/state)",

@@ -121,6 +121,34 @@ def test_a_platform_event_becomes_a_record_of_the_agents_schema(reconciler: Reco
     assert row["Source"].startswith("platform:") and row["Change"] == "scheduled"
 
 
+def test_the_published_sample_converts() -> None:
+    """The sample payload of Microsoft's "Scheduled Events in Event Grid" page (placeholders filled in)."""
+    sub, group = "8d10da13-8125-4ba9-a717-bf7490507b3d", "rg-name"
+    resource = f"/subscriptions/{sub}/resourceGroups/{group}/providers/Microsoft.Compute/virtualMachineScaleSets/vmss-name"
+    event_resource = f"{resource}/providers/microsoft.maintenance/scheduledevents/3da1b9aa-5204-4335-8c33-c54e315dcffe"
+    sample = {
+        "id": "3da1b9aa-5204-4335-8c33-c54e315dcffe", "topic": f"/subscriptions/{sub}", "subject": event_resource,
+        "data": {"resourceInfo": {"id": event_resource, "name": "3da1b9aa-5204-4335-8c33-c54e315dcffe",
+                                  "type": "microsoft.maintenance/scheduledEvents", "location": "eastus",
+                                  "properties": {"DurationInSeconds": 5, "Description": "Virtual machine is being paused "
+                                                 "because of a memory-preserving Live Migration operation.",
+                                                 "EventId": "3da1b9aa-5204-4335-8c33-c54e315dcffe",
+                                                 "EventSource": "Platform", "EventStatus": "Started", "EventType": "Freeze",
+                                                 "NotBefore": "Mon, 19 Sep 2025 18:29:47 GMT",
+                                                 "Resources": ["myvmss_1", "myvmss_2"], "ResourceType": "VirtualMachine"}},
+                 "apiVersion": "2024-07-01"},
+        "eventType": "Microsoft.ResourceNotifications.MaintenanceResources.ScheduledEventEmitted",
+        "dataVersion": "3.0", "metadataVersion": "1", "eventTime": "2017-06-26T18:41:00.9584103Z"}
+    event = platform_events.scheduled_event(sample)
+    rec = platform_events.platform_record(event, "started")
+    assert rec["time"] == "2017-06-26T18:41:00.958Z" and rec["source"] == "platform:" + resource
+    assert rec["data"]["Platform"]["VmResourceIds"] == {
+        name: f"/subscriptions/{sub}/resourceGroups/{group}/providers/Microsoft.Compute/virtualMachines/{name}"
+        for name in ("myvmss_1", "myvmss_2")}
+    assert rec["data"]["Vm"]["VmScaleSetName"] == "vmss-name" and rec["data"]["DurationInSeconds"] == 5
+    assert set(to_row(rec)) == {name for name, _ in COLUMNS}
+
+
 def test_duplicates_by_event_grid_id_make_no_second_record_and_kinds_follow_the_status(
         reconciler: Reconciler, emitted: list[dict[str, Any]]) -> None:
     first = grid_event(grid_id="G1")
@@ -316,3 +344,18 @@ def test_end_to_end_missed_names_the_stopped_vm_and_a_cancel_agrees(tmp_path: Pa
     reported = [r["data"] for r in sink if r["type"] == "fleet.reported"]
     assert {d["Vm"]["Name"] for d in reported} == {"vmss_0", "vmss_1"}
     assert all(-5 < d["DetectionSeconds"] < 5 for d in reported)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--eventgrid-url", "ftp://127.0.0.1/x"], "--eventgrid-url: must be an http(s) URL"),
+    (["--max-api-version", "2024-07-10"], "--max-api-version: must be one of"),
+])
+def test_emulator_cli_refuses_bad_event_grid_and_version_options(args: list[str], fragment: str) -> None:
+    import subprocess
+
+    from tests.agent import ROOT
+
+    done = subprocess.run([sys.executable, "-m", "forwarder", "emulator", "--listen", "127.0.0.1:0", *args],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    assert done.returncode != 0 and fragment in done.stderr, done.stderr
