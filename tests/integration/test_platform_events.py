@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 
 from benchmarks.peers.webhook_receiver import ReceivedRequest, Reply, WebhookReceiver
-from forwarder.common.signing import generate_secret
+from forwarder.common.fleet_keys import RECORD_PURPOSE, as_secret, derive_key
+from forwarder.common.record_auth import sign_record
+from forwarder.common.signing import generate_secret, parse_secret
 from forwarder.emulator import Emulator
 from forwarder.emulator.eventgrid import EVENT_TYPE, EventGridPublisher, render
 from forwarder.emulator.model import Event, VmProfile
@@ -26,7 +28,8 @@ if str(APP_DIR) not in sys.path:
     sys.path.insert(0, str(APP_DIR))
 
 import platform_events  # noqa: E402
-from reconcile import Reconciler  # noqa: E402
+import streamauth  # noqa: E402  (the remote approver's verifier, linked into the consumer)
+from reconcile import Reconciler, vm_name  # noqa: E402
 from reconcile_state import SqliteState  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -35,6 +38,13 @@ SCALE_SET = "vmss"
 VMS = [VmProfile(f"{SCALE_SET}_{i}", vm_scale_set_name=SCALE_SET) for i in range(3)]
 PROFILES = {vm.name: vm for vm in VMS}
 T0 = datetime(2026, 11, 27, 12, 0, tzinfo=timezone.utc)
+MASTER_SECRET = "whsec_" + "cGxhdGZvcm0tZXZlbnRzLXRlc3QtbWFzdGVyLWtleSE="
+MASTER = parse_secret(MASTER_SECRET)
+
+
+def signed(record: dict[str, Any], signer: str) -> dict[str, Any]:
+    """``record`` with the sefwdauth of VM ``signer``'s key (derived from the fleet master)."""
+    return sign_record(derive_key(MASTER, RECORD_PURPOSE, PROFILES[signer].resource_id), record)
 
 
 def grid_event(status: str = "Scheduled", *, event_id: str = "EV-1", resources: list[str] | None = None,
@@ -211,6 +221,25 @@ def test_reconciliation_reported_missed_and_outcomes(reconciler: Reconciler, emi
         assert set(to_row(rec)) == {name for name, _ in COLUMNS}
 
 
+def test_with_a_master_secret_only_signed_records_count_and_for_the_vm_that_signed(
+        emitted: list[dict[str, Any]], clock: Clock) -> None:
+    verify = lambda record: streamauth.verify(record, [MASTER])  # noqa: E731
+    reconciler = Reconciler(SqliteState(), emitted.extend, missed_after=60.0, clock=clock, verify=verify)
+    deliver(reconciler, grid_event(grid_id="G1"))
+    honest = signed(agent_record("vmss_0", "scheduled", T0 + timedelta(seconds=1)), "vmss_0")
+    # vmss_1 tries to report for vmss_2 (its name in data.Vm), and an unsigned record claims vmss_2 too.
+    forged = signed({**agent_record("vmss_2", "scheduled", T0), "source": PROFILES["vmss_1"].resource_id}, "vmss_1")
+    unsigned = agent_record("vmss_2", "scheduled", T0)
+    reconciler.agent_records([honest, forged, unsigned])
+    clock.now += 61
+    reconciler.tick()
+    assert reconciler.refused == 1  # the unsigned one; the forged one counts, but for vmss_1 (who signed it)
+    assert sorted(r["data"]["Vm"]["Name"] for r in emitted if r["type"] == "fleet.reported") == ["vmss_0", "vmss_1"]
+    assert [r["data"]["Vm"]["Name"] for r in emitted if r["type"] == "fleet.missed"] == ["vmss_2"]
+    assert vm_name(PROFILES["vmss_2"].resource_id) == "vmss_2"
+    assert vm_name("/subscriptions/s/resourceGroups/g/providers/Microsoft.Compute/virtualMachines/web-1") == "web-1"
+
+
 def test_emulator_event_grid_side_validates_first_then_delivers_with_duplicates() -> None:
     seen: list[tuple[str, Any]] = []
 
@@ -296,12 +325,15 @@ def test_end_to_end_missed_names_the_stopped_vm_and_a_cancel_agrees(tmp_path: Pa
         monkeypatch.setenv("PLATFORM_OUTPUT_URL", sink_server.url_for("/platform"))
         monkeypatch.setenv("RECONCILE_STATE_PATH", str(tmp_path / "reconcile.db"))
         monkeypatch.setenv("MISSED_AFTER_SECONDS", "4")
+        monkeypatch.setenv("SEFWD_MASTER_SECRET", MASTER_SECRET)  # agents' records are verified
         try:
             for vm in VMS:
                 config = write_config(tmp_path / f"{vm.name}.toml", emu.vm_url(vm.name), tmp_path / vm.name / "state",
                                       sinks=f'[[sinks]]\ntype = "webhook"\nname = "hook"\n'
                                             f'url = "{sink_server.url_for("/agents/" + vm.name)}"\nsecret_env = "HOOK_SECRET"\n')
-                agents[vm.name] = AgentProcess(config, tmp_path / f"{vm.name}.log", env={"HOOK_SECRET": secret})
+                key = as_secret(derive_key(MASTER, RECORD_PURPOSE, vm.resource_id))  # `sefwd keys derive`
+                agents[vm.name] = AgentProcess(config, tmp_path / f"{vm.name}.log", env={
+                    "HOOK_SECRET": secret, "SEFWD_AGENT_RECORD_KEY_ENV": "RECORD_KEY", "RECORD_KEY": key})
             wait_until(lambda: {r["data"]["Vm"]["Name"] for r in list(sink) if r["type"] == "forwarder.started"}
                        == set(PROFILES), 60, "three agents started")
             assert agents["vmss_2"].terminate() == 0  # its agent is down from now on
@@ -344,6 +376,7 @@ def test_end_to_end_missed_names_the_stopped_vm_and_a_cancel_agrees(tmp_path: Pa
     reported = [r["data"] for r in sink if r["type"] == "fleet.reported"]
     assert {d["Vm"]["Name"] for d in reported} == {"vmss_0", "vmss_1"}
     assert all(-5 < d["DetectionSeconds"] < 5 for d in reported)
+    assert function_app.get_reconciler().refused == 0  # every agent record was signed and verified
 
 
 @pytest.mark.parametrize("args, fragment", [

@@ -9,6 +9,8 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import azure.functions as func
 
@@ -25,7 +27,20 @@ def get_reconciler() -> Reconciler:
     settings = os.environ
     state = SqliteState(settings.get("RECONCILE_STATE_PATH", "/tmp/sefwd-platform-events.db"))
     missed_after = float(settings.get("MISSED_AFTER_SECONDS", DEFAULT_MISSED_AFTER))
-    return Reconciler(state, output_from_env(settings), missed_after=missed_after)
+    return Reconciler(state, output_from_env(settings), missed_after=missed_after, verify=verifier(settings))
+
+
+def verifier(settings: Mapping[str, str]) -> Callable[[Mapping[str, Any]], bool] | None:
+    """SEFWD_MASTER_SECRET (the fleet master(s), as the remote approver takes it): only records with a valid
+    sefwdauth count, for the VM their source names. Unset: every record's own claim counts (logged once)."""
+    import streamauth  # the remote approver's verifier (a link to ../remote-approver/streamauth.py)
+
+    masters = tuple(streamauth.master_key(v) for v in settings.get("SEFWD_MASTER_SECRET", "").split())
+    if not masters:
+        logging.warning("SEFWD_MASTER_SECRET is not set: agents' records are not authenticated, and a forged "
+                        "one could hide a VM that missed an event")
+        return None
+    return lambda record: streamauth.verify(record, masters)
 
 
 @app.function_name("platform_events_webhook")

@@ -37,6 +37,22 @@ DEFAULT_MISSED_AFTER = 300.0  # seconds: Scheduled Events reach IMDS and Event G
 AGENT_TERMINAL = ("completed", "canceled", "ended")
 
 
+def vm_name(resource_id: str) -> str:
+    """The VM name ``Resources`` uses for a VM's resource id: ``{scale set}_{instance}`` for a Uniform
+    scale set's instance (``…/virtualMachineScaleSets/{ss}/virtualMachines/{instance}``), else the name."""
+    parts = resource_id.strip("/").split("/")
+    lower = [p.lower() for p in parts]
+    if "virtualmachinescalesets" in lower:
+        at = lower.index("virtualmachinescalesets")
+        if len(parts) > at + 3 and lower[at + 2] == "virtualmachines":
+            return f"{parts[at + 1]}_{parts[at + 3]}"
+    if "virtualmachines" in lower:
+        at = lower.index("virtualmachines")
+        if len(parts) > at + 1:
+            return parts[at + 1]
+    return ""
+
+
 def _utc(moment: float) -> str:
     return datetime.fromtimestamp(moment, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -56,13 +72,18 @@ class Reconciler:
     """Joins the two views per event; ``state`` may be shared by several instances (see reconcile_state)."""
 
     def __init__(self, state: ReconcileState, emit: Callable[[list[dict[str, Any]]], None], *,
-                 missed_after: float = DEFAULT_MISSED_AFTER, clock: Callable[[], float] = time.time) -> None:
+                 missed_after: float = DEFAULT_MISSED_AFTER, clock: Callable[[], float] = time.time,
+                 verify: Callable[[Mapping[str, Any]], bool] | None = None) -> None:
         if not missed_after > 0:
             raise ValueError(f"missed_after must be a positive number of seconds, got {missed_after!r}")
         self.state = state
         self.emit = emit
         self.missed_after = missed_after
         self.clock = clock
+        # With a verifier (the records' sefwdauth, streamauth.verify), only authenticated records count,
+        # and the VM is the one their signed `source` names: a record cannot report for another VM.
+        self.verify = verify
+        self.refused = 0  # agent records that failed verification
 
     # -- the HTTP endpoint (Event Grid webhook) --
     def handle_delivery(self, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
@@ -180,6 +201,13 @@ class Reconciler:
         vm_value = data.get("Vm")
         vm_data: dict[str, Any] = vm_value if isinstance(vm_value, dict) else {}
         name, event_id, seen = vm_data.get("Name"), data.get("EventId"), parse_time(rec.get("time"))
+        if self.verify is not None:
+            if not self.verify(rec):
+                self.refused += 1
+                log.warning("ignoring an agent record that fails verification (source %.200r)", source)
+                return
+            name = vm_name(str(source))
+            vm_data = {**vm_data, "ResourceId": source}
         if not isinstance(name, str) or not name or not isinstance(event_id, str) or not event_id or seen is None:
             return
         vm = name.lower()
@@ -253,4 +281,4 @@ class Reconciler:
         return out
 
 
-__all__ = ["AGENT_TERMINAL", "DEFAULT_MISSED_AFTER", "Reconciler"]
+__all__ = ["AGENT_TERMINAL", "DEFAULT_MISSED_AFTER", "Reconciler", "vm_name"]
