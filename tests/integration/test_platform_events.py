@@ -392,3 +392,28 @@ def test_emulator_cli_refuses_bad_event_grid_and_version_options(args: list[str]
                           capture_output=True, text=True, timeout=60, cwd=ROOT,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
     assert done.returncode != 0 and fragment in done.stderr, done.stderr
+
+
+def test_event_hubs_output_sends_the_records_to_the_agents_hub(tmp_path: Path) -> None:
+    """PLATFORM_OUTPUT=eventhubs with the real azure-eventhub client against the project's AMQP peer."""
+    import os
+
+    from benchmarks.peers.eventhubs_peer import EventHubsPeer
+
+    why = EventHubsPeer.available()
+    if why is not None:
+        if os.environ.get("SEFWD_REQUIRE_PEERS"):
+            raise RuntimeError(f"the Event Hubs test peer is required here (SEFWD_REQUIRE_PEERS) but {why}")
+        pytest.skip(f"eventhubs peer unavailable: {why}")
+    pytest.importorskip("azure.eventhub")
+    from outputs import output_from_env
+
+    with EventHubsPeer(log=tmp_path / "peer.log") as peer:
+        emit = output_from_env({"PLATFORM_OUTPUT": "eventhubs", "EVENTHUB_NAME": peer.hub,
+                                "EVENTHUB_CONNECTION": peer.connection_string(entity=False)})
+        reconciler = Reconciler(SqliteState(), emit, missed_after=60.0)
+        assert deliver(reconciler, grid_event(grid_id="G1"), grid_event("Started", change="started", grid_id="G2"))[0] == 200
+        got = peer.wait_events(2)
+    records = [json.loads(e["body"]) for e in got]
+    assert [r["type"] for r in records] == ["scheduledevent.scheduled", "scheduledevent.started"]
+    assert all(r["source"].startswith("platform:") for r in records)
