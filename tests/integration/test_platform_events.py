@@ -417,3 +417,37 @@ def test_event_hubs_output_sends_the_records_to_the_agents_hub(tmp_path: Path) -
     records = [json.loads(e["body"]) for e in got]
     assert [r["type"] for r in records] == ["scheduledevent.scheduled", "scheduledevent.started"]
     assert all(r["source"].startswith("platform:") for r in records)
+
+
+def test_event_grid_trigger_function_takes_the_same_events(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          function_app: Any) -> None:
+    """The Event Grid trigger binding (the host validated the subscription): same record, duplicates dropped,
+    a failed output raised so that Event Grid delivers again."""
+    import azure.functions as func
+
+    sent: list[dict[str, Any]] = []
+    refuse = [True]
+
+    def collector(request: ReceivedRequest) -> int:
+        if refuse[0]:
+            return 503
+        sent.extend(request.json())
+        return 200
+
+    with WebhookReceiver(collector) as sink_server:
+        monkeypatch.setenv("PLATFORM_OUTPUT", "http")
+        monkeypatch.setenv("PLATFORM_OUTPUT_URL", sink_server.url_for("/platform"))
+        monkeypatch.setenv("RECONCILE_STATE_PATH", str(tmp_path / "reconcile.db"))
+        handler = {f.get_function_name(): f.get_user_function() for f in function_app.app.get_functions()}["platform_events_grid"]
+        grid = grid_event(grid_id="G1")
+        event = func.EventGridEvent(id=grid["id"], data=grid["data"], topic=grid["topic"], subject=grid["subject"],
+                                    event_type=grid["eventType"], event_time=T0, data_version=grid["dataVersion"])
+        with pytest.raises(RuntimeError, match="not handled"):
+            handler(event)  # the output refused: Event Grid will deliver it again
+        refuse[0] = False
+        handler(event)
+        handler(event)  # a duplicate delivery
+    assert [r["type"] for r in sent if r["type"].startswith("scheduledevent.")] == ["scheduledevent.scheduled"]
+    assert sent[0]["data"]["Platform"]["EventGridId"] == "G1" and sent[0]["time"] == "2026-11-27T12:00:00.000Z"
+    # Emitted long ago (T0) and no agent ever reported it: every named VM missed it, each said once.
+    assert sorted(r["data"]["Vm"]["Name"] for r in sent if r["type"] == "fleet.missed") == sorted(PROFILES)
