@@ -19,7 +19,7 @@ from benchmarks.footprint import HOSTILE_RETURN_MIB, HOSTILE_RSS_GOAL_MIB
 from benchmarks.plots import draw
 
 BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send", "probe",
-              "approver_state", "action_wakeup")
+              "approver_state", "action_wakeup", "notice_window")
 
 
 def _at(value: Any, path: str) -> Any:
@@ -78,6 +78,11 @@ SUMMARY: dict[str, dict[str, str] | str] = {
                          "after_p99": "action_wakeup.workers_8.descheduled.after.p99_ms",
                          "before_missed": "action_wakeup.workers_8.descheduled.before.missed_wakeups",
                          "after_missed": "action_wakeup.workers_8.descheduled.after.missed_wakeups"},
+    # Against the notice window (issue 33): from the agent's histograms on /metrics (docs/notice-window.md).
+    "notice_window": {"detection_p50_ms": "notice_window.detection_latency_ms.p50",
+                      "detection_p99_ms": "notice_window.detection_latency_ms.p99",
+                      "delivery_p50_ms": "notice_window.delivery_latency_ms.histogram_p50",
+                      "delivery_p99_ms": "notice_window.delivery_latency_ms.histogram_p99"},
 }
 
 

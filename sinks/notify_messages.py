@@ -34,6 +34,8 @@ EVENT_WORDS: dict[str, tuple[str, str]] = {
     "Freeze": ("Freeze", "the VM pauses for a few seconds; memory and connections are kept"),
     "Preempt": ("Spot eviction", "Azure takes the Spot VM back: it is deallocated or deleted"),
     "Terminate": ("Deletion", "the VM is deleted (scale-in or a delete request)"),
+    "SpotRebalanceRecommendation": ("Spot eviction risk", "Azure warns that this Spot VM is at elevated risk of "
+                                    "eviction: nothing happens yet (advisory, approving it has no effect)"),
 }
 EVIDENCE_WORDS = {
     "seen_started": "seen Started",
@@ -125,6 +127,8 @@ DEFAULTS: dict[str, dict[str, str]] = {
 }
 _ACTIONS = {
     "Freeze": "usually nothing; latency-sensitive work may want to pause. To let it start now: `sefwd approve {id}` on the VM.",
+    "SpotRebalanceRecommendation": ("checkpoint work and move what you can to other capacity while there is time; "
+                                    "approving this event has no effect (the eviction, if it comes, is a Preempt)."),
 }
 _DEFAULT_ACTION = ("take the VM out of rotation and finish or checkpoint work before then. When it is ready, "
                    "`sefwd approve {id}` on the VM lets it start at once.")

@@ -5,7 +5,7 @@ per-event label ran a peer tool out of memory), so the number of series is fixed
 events come and go:
 
 * ``sefwd.events.pending`` {type, status, affects_this_vm}: events in the committed document; every
-  combination is reported, zeros included (6 types × 3 statuses × 2 = 36 series).
+  combination is reported, zeros included (7 types × 3 statuses × 2 = 42 series).
 * ``sefwd.events.seconds_to_notbefore``: seconds to the earliest NotBefore of a Scheduled event that
   affects this VM (negative once it passed); absent while there is none.
 * ``sefwd.maintenance.active``: 1 while the maintenance probe would answer 503 (forwarder.agent.maintenance).

@@ -285,7 +285,7 @@ def cmd_once(args: argparse.Namespace) -> int:
             vm = VmIdentity.fallback()
     try:
         document = parse_document(fetch.body or b"")
-        factory = RecordFactory(vm, config.imds.api_version, key=config.agent.record_key)
+        factory = RecordFactory(vm, imds.api_version, key=config.agent.record_key)
         records = factory.for_changes(diff(None, document, utcnow()), document)  # (serialized here too)
     except DocumentError as exc:
         print(f"sefwd: IMDS answered with a bad document: {exc}", file=sys.stderr)

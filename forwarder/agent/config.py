@@ -29,14 +29,17 @@ from forwarder.common.values import (
     boolean, choice, control_characters, duration, format_duration, parse_duration, parse_labelled, size,
     suggest, url_text,
 )
+from forwarder.imds.event_types import EVENT_TYPES
 from forwarder.imds.client import MAX_BODY, MAX_BODY_LIMIT, MIN_BODY_LIMIT, check_max_body, validate_endpoint
 
 SYSTEM_CONFIG_PATH = Path("/etc/sefwd/config.toml")
 DEFAULTS_SOURCE = "built-in defaults"
 ENV_PREFIX = "SEFWD_"
 
+# "auto" (the default): 2024-07-09 where IMDS serves it, else 2020-07-01 (forwarder.imds.versions).
 SUPPORTED_API_VERSIONS: tuple[str, ...] = (
-    "2017-03-01", "2017-08-01", "2017-11-01", "2019-01-01", "2019-04-01", "2019-08-01", "2020-07-01",
+    "auto", "2017-03-01", "2017-08-01", "2017-11-01", "2019-01-01", "2019-04-01", "2019-08-01", "2020-07-01",
+    "2024-07-09",
 )
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error")
 # Sink types whose SDK ships as a pip extra of the same name.
@@ -269,7 +272,7 @@ def _probe_path(value: Any) -> str:
     return text
 
 
-_EVENT_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
+_EVENT_TYPES = EVENT_TYPES
 
 
 def _probe_event_types(value: Any) -> tuple[str, ...] | None:
@@ -303,7 +306,7 @@ DAY = 86400.0
 SECTIONS: dict[str, dict[str, _Key]] = {
     "imds": {
         "endpoint": _Key("http://169.254.169.254", validate_endpoint),  # the IMDS client's own rules
-        "api_version": _Key("2020-07-01", _api_version),
+        "api_version": _Key("auto", _api_version),
         "poll_interval": _Key("1s", _poll_interval),
         "timeout": _Key("5s", duration(0.0, 60.0, low_inclusive=False)),
         "first_call_timeout": _Key("150s", duration(0.0, 600.0, low_inclusive=False)),

@@ -57,9 +57,10 @@ KEY_DOCS: dict[str, dict[str, tuple[str, Any]]] = {
     "imds": {
         "endpoint": ("Base URL of the Instance Metadata Service; may carry a path prefix (the emulator serves "
                      "each VM under /vm/<name>).", None),
-        "api_version": ("Scheduled Events api-version: 2017-03-01 2017-08-01 2017-11-01 2019-01-01 2019-04-01 "
-                        "2019-08-01 2020-07-01. Newer versions add fields (Description, EventSource, "
-                        "DurationInSeconds).", None),
+        "api_version": ("Scheduled Events api-version: \"auto\" (2024-07-09 where IMDS serves it, which adds "
+                        "SpotRebalanceRecommendation; else 2020-07-01, tried again every 6 h), or one of 2017-03-01 "
+                        "2017-08-01 2017-11-01 2019-01-01 2019-04-01 2019-08-01 2020-07-01 2024-07-09. Newer versions "
+                        "add fields (Description, EventSource, DurationInSeconds). See docs/api-versions.md.", None),
         "poll_interval": ("How often to poll. Events give as little as 30 s notice (Preempt), so keep it short; "
                           "IMDS allows 5 requests per second; the agent keeps all its requests to 4 in any 1.1 s (the "
                           "fifth is for `sefwd approve` / `sefwd once`), and approvals and instance metadata need room beside the polls, hence the "
@@ -135,7 +136,7 @@ KEY_DOCS: dict[str, dict[str, tuple[str, Any]]] = {
                    "0.0.0.0:8080"),
         "path": ("The probe's path; every other path answers 404.", None),
         "event_types": ("Event types that take the VM out of rotation (Freeze, Reboot, Redeploy, Preempt, "
-                        "Terminate, or [\"*\"] for every type, future ones included). Freeze, a pause of "
+                        "Terminate, SpotRebalanceRecommendation, or [\"*\"] for every type, future ones included). Freeze, a pause of "
                         "seconds with memory kept, is left out by default.", None),
         "lead": ("\"scheduled\": 503 from the moment the event is Scheduled; a duration: from NotBefore - lead "
                  "(a Started event, or one without NotBefore, is 503 at once), so a Redeploy announced days ahead "
@@ -158,7 +159,7 @@ SINKS_DOC = (
     "in its required keys. No sink option has an environment override. Any sink may have a \"filter\" table: "
     "record_types (scheduledevent, approval, forwarder, or exact types such as approval.refused), changes "
     "(scheduled, started, updated, completed, canceled, ended), event_types (Reboot, Redeploy, Freeze, Preempt, "
-    "Terminate) and affects_this_vm (true/false); a record is sent only if it matches every key set (the last "
+    "Terminate, SpotRebalanceRecommendation) and affects_this_vm (true/false); a record is sent only if it matches every key set (the last "
     "three judge scheduled-event records only). Held-back records advance the sink's cursor and are counted in "
     "sefwd status. The notify sink defaults to record_types = [\"scheduledevent\", \"approval\", "
     "\"forwarder.stopped\", \"forwarder.data_lost\"]; filter = {} sends it everything."

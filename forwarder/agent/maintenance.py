@@ -27,12 +27,13 @@ import orjson
 
 from forwarder.common.logs import RateLimitedLog
 from forwarder.imds.document import Document, Event
+from forwarder.imds.event_types import EVENT_TYPES
 from forwarder.imds.identity import VmIdentity
 from forwarder.records import rfc3339, utcnow
 
 log = logging.getLogger(__name__)
 
-KNOWN_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
+KNOWN_TYPES = EVENT_TYPES  # metric labels; any other type is counted as "other"
 # The types that take the VM away for longer than a pause; a Freeze (seconds, memory kept) is left out.
 DEFAULT_TYPES = ("Reboot", "Redeploy", "Preempt", "Terminate")
 ALL_TYPES = "*"

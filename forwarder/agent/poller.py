@@ -128,6 +128,8 @@ class Poller:
         except ImdsError as exc:
             return self._failed(exc)
         self.stats.consecutive_failures = 0
+        # (api_version "auto": the records say which version this document was read with)
+        self.factory.api_version = getattr(self.imds, "api_version", self.factory.api_version)
         first_answer = self.stats.last_ok_wall is None
         self.stats.last_ok_wall = self._wall()
         if first_answer and self.on_first_answer is not None:

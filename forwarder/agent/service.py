@@ -206,7 +206,7 @@ class Agent:
             "last_error": self.imds_trouble() if st.last_ok_wall is None else (
                 str(self.imds.last_error) if st.consecutive_failures and self.imds is not None
                 and self.imds.last_error is not None else None),
-            "api_version": self.config.imds.api_version,
+            "api_version": poller.factory.api_version,
             "polls": st.polls,
             "imds_errors": st.imds_errors,
             "bad_documents": st.bad_documents,

@@ -522,6 +522,10 @@ class Telemetry:
 
         # Pending events, seconds to NotBefore, maintenance and actions: fixed label sets, for alerts.
         self._actions = register(meter, lambda: self._maintenance)
+        from forwarder.agent.notice_metrics import NoticeWindow
+
+        # Notice lead and approval lead per event type (docs/notice-window.md).
+        self._notice = NoticeWindow(meter)
 
     def _snapshot(self) -> Mapping[str, Any]:
         if self._snapshot_fn is None:
@@ -586,6 +590,7 @@ class Telemetry:
             self._records.add(1, {"type": record.type})
             if record.type.startswith("approval."):
                 self._approvals.add(1, {"outcome": record.type.partition(".")[2]})
+        self._notice.observe(records)
 
     # -- endpoint --
     def render_metrics(self) -> tuple[bytes, str]:

@@ -35,7 +35,7 @@ CALLBACK_KEYS = (
 )
 # IMDS values are case-sensitive; a differently-cased spelling of one of these never matches.
 KNOWN_VALUES: dict[str, tuple[str, ...]] = {
-    "event_type": ("Reboot", "Redeploy", "Freeze", "Preempt", "Terminate"),
+    "event_type": ("Reboot", "Redeploy", "Freeze", "Preempt", "Terminate", "SpotRebalanceRecommendation"),
     "event_source": ("Platform", "User"),
     "event_status": ("Scheduled", "Started"),
 }

@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from forwarder.imds.event_types import EVENT_TYPES
 from forwarder.emulator.faults import FAULT_KINDS, FAULT_PATHS, OUT_OF_RANGE_FIELDS
 from forwarder.errors import ForwarderError, UsageError
 from forwarder.common.values import parse_duration, parse_size
@@ -66,6 +67,12 @@ def register(subparsers: Any, prog: str | None = None) -> None:
     p.add_argument("--terminate-notice", default=None, metavar="DURATION",
                    help='NotBefore notice of Terminate events (5m to 15m; default "5m")')
     p.add_argument("--etag", action="store_true", help="send ETag and answer If-None-Match with 304")
+    p.add_argument("--eventgrid-url", default=None, metavar="URL",
+                   help="also push every change of an event to URL as Event Grid ScheduledEventEmitted events "
+                        "(after the subscription validation handshake), as the platform's system topic does")
+    p.add_argument("--max-api-version", default=None, metavar="VERSION",
+                   help="newest Scheduled Events api-version served; newer ones answer 404 as where they are "
+                        "not available (e.g. 2020-07-01: no 2024-07-09)")
     p.add_argument("--arm-tls", nargs=2, metavar=("CERT", "KEY"),
                    help="also serve Azure Resource Manager scheduled-event acknowledgement over HTTPS with this "
                         "certificate and key (PEM), on the --listen host")
@@ -88,7 +95,7 @@ def register(subparsers: Any, prog: str | None = None) -> None:
     actions.required = True
     actions.add_parser("state", help="print events, incarnation and counters as JSON")
     s = actions.add_parser("schedule", help="add an event")
-    s.add_argument("--type", default="Reboot", choices=["Freeze", "Reboot", "Redeploy", "Preempt", "Terminate"])
+    s.add_argument("--type", default="Reboot", choices=list(EVENT_TYPES))
     s.add_argument("--id", help="EventId (default: a new GUID)")
     s.add_argument("--source", choices=["Platform", "User"])
     s.add_argument("--description")
@@ -187,6 +194,13 @@ def run(args: argparse.Namespace) -> int:
             problems.append(f"--{key.replace('_', '-')}: {exc}")
     if args.arm and args.arm_tls:
         problems.append("--arm makes its own certificate: give --arm or --arm-tls CERT KEY, not both")
+    if args.eventgrid_url is not None and not args.eventgrid_url.startswith(("http://", "https://")):
+        problems.append(f"--eventgrid-url: must be an http(s) URL, got {args.eventgrid_url!r}")
+    if args.max_api_version is not None:
+        from forwarder.emulator.model import SE_VERSIONS
+
+        if args.max_api_version not in SE_VERSIONS:
+            problems.append(f"--max-api-version: must be one of {', '.join(SE_VERSIONS)}, got {args.max_api_version!r}")
     if args.arm_tls:
         from forwarder.common.listen import tls_server_context
 
@@ -217,11 +231,14 @@ def run(args: argparse.Namespace) -> int:
         emulator = Emulator(host, port, scenario=args.scenario, vms=args.vms, rate_limit=args.rate_limit or None,
                             time_scale=args.time_scale, first_call_delay=timings["first_call_delay"],
                             terminate_notice=timings["terminate_notice"], etag=args.etag,
+                            max_api_version=args.max_api_version,
                             arm_tls=arm_tls, arm_port=args.arm_port)
         try:
             emulator.start()
         except OSError as exc:  # a busy port, a missing permission: one line, not a traceback
             raise ForwarderError(f"cannot listen on {host_port_text(host, port)}: {exc.strerror or exc}") from None
+        if args.eventgrid_url:
+            emulator.publish_to(args.eventgrid_url)
         try:
             print(f"IMDS emulator at {emulator.url} (default VM {emulator.default_vm}; "
                   f"others at {emulator.url}/vm/<name>; control API {emulator.url}/_emulator/state)",

@@ -1,6 +1,7 @@
 """The emulated platform: events, DocumentIncarnation, VMs, counters and the timeline thread."""
 from __future__ import annotations
 
+import copy
 import functools
 
 import heapq
@@ -107,6 +108,8 @@ class Platform:
         self._rendered: dict[str, list[dict[str, Any]]] = {v: [] for v in SE_VERSIONS}
         self._scenario: Scenario | None = None
         self._scenario_gen = 0
+        # Called with (change, a copy of the event, when) on every visible change (see _bump).
+        self.listeners: list[Callable[[str, Event, datetime], None]] = []
         self._steps_left = 0
         self._reset_counters()
 
@@ -186,8 +189,12 @@ class Platform:
         with self.lock:
             return {"DocumentIncarnation": self._incarnations[version], "Events": self._events(version)}
 
-    def _bump(self, change: str, event_id: str) -> None:
-        """Record a change; each api-version's incarnation goes up only if its document changed."""
+    def _bump(self, change: str, event_id: str, ev: Event | None = None) -> None:
+        """Record a change; each api-version's incarnation goes up only if its document changed.
+
+        Listeners (the Event Grid side, forwarder.emulator.eventgrid) hear of every visible change of
+        an event, under the lock: they must only take note (a copy of the event) and return.
+        """
         for version in SE_VERSIONS:
             events = self._events(version)
             if events != self._rendered[version]:
@@ -195,8 +202,12 @@ class Platform:
                 self._incarnations[version] += 1
             elif version == SE_VERSIONS[-1]:
                 return  # the newest version sees every field: nothing visible changed at all
+        now = self.clock()
         self.history.append({"incarnation": self.incarnation, "change": change, "event_id": event_id,
-                             "time": self.clock().isoformat()})
+                             "time": now.isoformat()})
+        if ev is not None:
+            for listener in self.listeners:
+                listener(change, copy.deepcopy(ev), now)
         log.info("emulator: %s %s (DocumentIncarnation %d)", change, event_id, self.incarnation)
 
     def ensure_vm(self, name: str) -> None:
@@ -234,7 +245,7 @@ class Platform:
             if status == STARTED:
                 ev.started_by = "platform"
             self.events[event_id] = ev
-            self._bump("hardware-failure" if status == STARTED else "scheduled", event_id)
+            self._bump("hardware-failure" if status == STARTED else "scheduled", event_id, ev)
             if status == STARTED:
                 self._arm_completion(ev)
             else:
@@ -280,13 +291,13 @@ class Platform:
     def _start(self, ev: Event, by: str) -> None:
         ev.status = STARTED
         ev.started_by = by
-        self._bump(f"started ({by})", ev.id)
+        self._bump(f"started ({by})", ev.id, ev)
         self._arm_completion(ev)
 
     def _remove(self, ev: Event, change: str) -> None:
         ev.timer_gen += 1
         del self.events[ev.id]
-        self._bump(change, ev.id)
+        self._bump(change, ev.id, ev)
         self._check_finished()
 
     def _get(self, event_id: str) -> Event:
@@ -339,7 +350,7 @@ class Platform:
                 self._arm_auto_start(ev)
             elif ev.status == STARTED and "complete_after" in fields:
                 self._arm_completion(ev)
-            self._bump("updated", ev.id)
+            self._bump("updated", ev.id, ev)
 
     def approve(self, vm: str, version: str, event_ids: list[str], incarnation: object, *,
                 via: str = "imds") -> str | None:

@@ -9,11 +9,16 @@ from email.utils import format_datetime, parsedate_to_datetime
 from typing import Any
 
 from forwarder.common.values import parse_duration
+from forwarder.imds.event_types import EVENT_TYPES as _EVENT_TYPES
+from forwarder.imds.event_types import TYPE_SINCE as _TYPE_SINCE
 
 # Oldest first; the seeds' changelog says which fields each version added.
 SE_VERSIONS: tuple[str, ...] = (
     "2017-03-01", "2017-08-01", "2017-11-01", "2019-01-01", "2019-04-01", "2019-08-01", "2020-07-01",
+    "2024-07-09",  # adds SpotRebalanceRecommendation; not available everywhere (IMDS answers 404 there)
 )
+# The newest generally available version: an emulator told not to serve newer ones answers 404 to them.
+GA_SE_VERSION = "2020-07-01"
 # Instance metadata versions IMDS lists under /metadata/versions (public docs).
 INSTANCE_VERSIONS: tuple[str, ...] = (
     "2017-03-01", "2017-04-02", "2017-08-01", "2017-10-01", "2017-12-01", "2018-02-01", "2018-04-02",
@@ -28,14 +33,16 @@ MIN_COMPUTE_VERSION = "2017-04-02"
 MIN_TOKEN_VERSION = "2018-02-01"
 _VERSION_RE = re.compile(r"^\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])$")
 
-EVENT_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
+EVENT_TYPES = _EVENT_TYPES
 EVENT_SOURCES = ("Platform", "User")
 SCHEDULED, STARTED = "Scheduled", "Started"
 
 # Minimum notice per type (seeds: "Event Scheduling"); Terminate is user-configurable 5-15 min.
-MIN_NOTICE: dict[str, float] = {"Freeze": 900.0, "Reboot": 900.0, "Redeploy": 600.0, "Preempt": 30.0, "Terminate": 300.0}
+# SpotRebalanceRecommendation is advisory, with no promised notice: the emulator gives it Preempt's.
+MIN_NOTICE: dict[str, float] = {"Freeze": 900.0, "Reboot": 900.0, "Redeploy": 600.0, "Preempt": 30.0, "Terminate": 300.0,
+                                "SpotRebalanceRecommendation": 30.0}
 # The version in which each type became visible; older versions simply never show it.
-TYPE_SINCE = {"Preempt": "2017-11-01", "Terminate": "2019-01-01"}
+TYPE_SINCE = _TYPE_SINCE
 
 DEFAULT_DESCRIPTIONS = {
     ("Freeze", "Platform"): "Virtual machine is being paused because of a memory-preserving Live Migration operation.",
@@ -44,6 +51,7 @@ DEFAULT_DESCRIPTIONS = {
     ("Reboot", "User"): "Virtual machine is going to be restarted as requested by authorized user.",
     ("Redeploy", "User"): "Virtual machine is going to be redeployed as requested by authorized user.",
     ("Preempt", "Platform"): "Spot virtual machine is being evicted because Azure needs the capacity back.",
+    ("SpotRebalanceRecommendation", "Platform"): "Spot virtual machine is at an elevated risk of eviction.",
     ("Terminate", "User"): "Virtual machine is being deleted as requested by authorized user.",
     ("Terminate", "Platform"): "Virtual machine is being deleted.",
 }

@@ -18,6 +18,7 @@ from forwarder.emulator.engine import Clock, Platform
 
 if TYPE_CHECKING:
     from forwarder.emulator.arm import ArmServer
+    from forwarder.emulator.eventgrid import EventGridPublisher
 from forwarder.emulator.faults import SHAPING_KINDS, Fault, FaultQueue
 from forwarder.emulator.model import (
     INSTANCE_VERSIONS, MIN_COMPUTE_VERSION, MIN_NOTICE, MIN_TOKEN_VERSION, SE_VERSIONS, SpecError, VmProfile,
@@ -298,6 +299,10 @@ class _Handler(QuietHandler):
             self._send(200, _json({"apiVersions": list(INSTANCE_VERSIONS)}))
             return 200
         version = params.get("api-version")
+        if endpoint == "scheduledevents" and version in SE_VERSIONS and version > emu.max_api_version:
+            # Where a version is not available (2024-07-09 outside its preview) IMDS answers 404.
+            self._error(404, "Not found. The requested api-version is not available on this VM")
+            return 404
         problem = self._check_version(endpoint, version)
         if problem is not None:
             newest = list(reversed(SE_VERSIONS if endpoint == "scheduledevents" else INSTANCE_VERSIONS))[:3]
@@ -515,6 +520,7 @@ class Emulator:
         arm_port: int = 0,
         arm_grants: Mapping[str, Iterable[str]] | None = None,
         limits: ConnectionLimits = EMULATOR_LIMITS,
+        max_api_version: str | None = None,
     ) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must not be negative, got {time_scale!r}")
@@ -531,11 +537,16 @@ class Emulator:
                   else sc.terminate_notice if sc and sc.terminate_notice is not None else MIN_NOTICE["Terminate"])
         self.etag = etag
         self.limits = limits
+        # The newest Scheduled Events api-version served; newer known ones answer 404 (e.g. GA_SE_VERSION).
+        if max_api_version is not None and max_api_version not in SE_VERSIONS:
+            raise ValueError(f"max_api_version must be one of {', '.join(SE_VERSIONS)}, got {max_api_version!r}")
+        self.max_api_version = max_api_version or SE_VERSIONS[-1]
         self.platform = Platform(profiles, time_scale=time_scale, clock=clock, terminate_notice=notice,
                                  rate_limit=rate_limit, token_rate_limit=token_rate_limit,
                                  token_concurrency=token_concurrency)
         self.faults = FaultQueue()
         self.platform.on_fault_step = lambda spec: self.inject_fault(**spec)  # type: ignore[method-assign]
+        self.publishers: list[EventGridPublisher] = []  # the Event Grid side (publish_to)
         self.stop_event = threading.Event()
         self._server: _Server | None = None
         # Azure Resource Manager (scheduled-event acknowledgement) on its own HTTPS listener, when
@@ -582,6 +593,20 @@ class Emulator:
         if self._arm is not None:
             self._arm.stop()
         self._arm = None
+        for publisher in self.publishers:
+            publisher.stop()
+
+    def publish_to(self, url: str, *, duplicates: int = 0, delay: float = 0.0) -> EventGridPublisher:
+        """Also push every change of an event to ``url`` as Event Grid ``ScheduledEventEmitted`` events,
+        after the subscription validation handshake (forwarder.emulator.eventgrid); every ``duplicates``-th
+        event twice, each ``delay`` seconds late."""
+        from forwarder.emulator.eventgrid import EventGridPublisher
+
+        publisher = EventGridPublisher(url, self.platform.vms, duplicates=duplicates, delay=delay).start()
+        self.publishers.append(publisher)
+        with self.platform.lock:
+            self.platform.listeners.append(publisher)
+        return publisher
 
     def __enter__(self) -> Emulator:
         return self.start()

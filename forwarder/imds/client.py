@@ -36,6 +36,7 @@ from forwarder import __version__
 from forwarder.common.retry import RETRYABLE_STATUS, Backoff, parse_retry_after
 from forwarder.common.values import url_text
 from forwarder.errors import ConfigError, ImdsError, ImdsTimeout, ImdsUnreachable
+from forwarder.imds.versions import REPROBE_INTERVAL, VersionChoice
 
 if TYPE_CHECKING:
     import ssl
@@ -215,10 +216,13 @@ class ImdsClient:
         gone_window: float = GONE_WINDOW,
         max_body: int = MAX_BODY,
         budget: RequestBudget | None = None,
+        reprobe: float = REPROBE_INTERVAL,
     ) -> None:
         base = _base_url(endpoint)
         self.endpoint = base
-        self.api_version = api_version
+        self.requested_api_version = api_version
+        # "auto": 2024-07-09 where IMDS serves it, else 2020-07-01 (forwarder.imds.versions).
+        self.versions = VersionChoice(api_version, clock, reprobe)
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.first_call_timeout = first_call_timeout
@@ -228,15 +232,12 @@ class ImdsClient:
         self._stop = stop or threading.Event()
         self._rng = rng or random.Random()
         self._clock = clock
-        # Built once: the poll path must not rebuild URLs. api-version goes in the URL itself and
-        # nothing else ever adds a query, so it cannot be duplicated (IMDS rejects duplicates).
-        self.events_url = f"{base}/metadata/scheduledevents?api-version={quote(api_version, safe='')}"
         self.compute_url = f"{base}/metadata/instance/compute?api-version={quote(compute_api_version, safe='')}"
         self.budget = budget if budget is not None else RequestBudget.for_endpoint(base)
         self._pool = _Pool(base, connect_timeout, max_body)
         self._headers = {"Metadata": "true", "User-Agent": f"sefwd/{__version__}", "Accept": "application/json"}
-        self._events_raw = self._plain_raw = self._pool.encode("GET", self.events_url, self._headers)
         self._etag: str | None = None
+        self._use_version(self.versions.current)
         self._answered = False  # until IMDS first answers, allow the long first-call timeout
         # The latest request's failure (None once one is answered): the agent names it while it waits.
         self.last_error: ImdsError | None = None
@@ -262,10 +263,20 @@ class ImdsClient:
         approves) never sends ``If-None-Match``, so it is never answered ``304``.
         """
         deadline = self.timeout if self._answered else self.first_call_timeout
+        version = self.versions.for_request()
+        if version != self.api_version:
+            self._use_version(version)
         started = self._clock()
         response = self._send("GET", self.events_url, deadline, self._events_raw if conditional else self._plain_raw)
+        fallback = self.versions.unavailable(version, response.status)
+        if fallback is not None:  # api_version "auto" and 2024-07-09 is not served here: at once with 2020-07-01
+            self._use_version(fallback)
+            version = fallback
+            response = self._send("GET", self.events_url, deadline, self._events_raw if conditional else self._plain_raw)
         elapsed = self._clock() - started
         status = response.status
+        if status in (200, 304):
+            self.versions.answered(version)
         if status == 200:
             self._answered = True
             if not conditional:
@@ -279,6 +290,21 @@ class ImdsClient:
             raise ImdsError(f"IMDS GET {self.events_url} answered 304 to an unconditional request",
                             status=304, retryable=True)
         raise self._status_error("GET", self.events_url, response)
+
+    @property
+    def api_version(self) -> str:
+        """The api-version requests use now (with "auto", the one it settled on)."""
+        return self._url_version
+
+    def _use_version(self, version: str) -> None:
+        # Built once per version: the poll path must not rebuild URLs. api-version goes in the URL itself
+        # and nothing else ever adds a query, so it cannot be duplicated (IMDS rejects duplicates).
+        self._url_version = version
+        self.events_url = f"{self.endpoint}/metadata/scheduledevents?api-version={quote(version, safe='')}"
+        self._plain_raw = self._pool.encode("GET", self.events_url, self._headers)
+        # Another version renders another document: an ETag of one says nothing about the other.
+        self._etag = None
+        self._events_raw = self._plain_raw
 
     def forget_etag(self) -> None:
         """Stop sending If-None-Match (for a caller that lost the body the ETag stands for, or could
@@ -310,8 +336,17 @@ class ImdsClient:
         if incarnation is not None:
             payload["DocumentIncarnation"] = incarnation
         body = json.dumps(payload, separators=(",", ":")).encode()
-        self._retrying("POST", self.events_url, deadline, body,
-                       {**self._headers, "Content-Type": "application/json"})
+        headers = {**self._headers, "Content-Type": "application/json"}
+        version = self.api_version
+        try:
+            self._retrying("POST", self.events_url, deadline, body, headers)
+        except ImdsError as exc:
+            # "auto" before any GET settled the version: a 404/400 may mean 2024-07-09 is not served here.
+            fallback = self.versions.unavailable(version, exc.status or 0, confirmed_only=True)
+            if fallback is None:
+                raise
+            self._use_version(fallback)
+            self._retrying("POST", self.events_url, deadline, body, headers)
         log.info("IMDS accepted StartRequests for %s", ", ".join(map(str, event_ids)))
 
     def compute(self, *, deadline: float | None = None) -> dict[str, Any]:

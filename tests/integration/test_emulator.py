@@ -88,19 +88,19 @@ def test_missing_api_version_lists_newest_versions(emu: Emulator, http: requests
     assert r.status_code == 400
     body = r.json()
     assert set(body) == {"error", "newest-versions"}
-    assert body["newest-versions"] == ["2020-07-01", "2019-08-01", "2019-04-01"]
+    assert body["newest-versions"] == ["2024-07-09", "2020-07-01", "2019-08-01"]
 
 
 @pytest.mark.parametrize("version", ["2018-01-01", "latest", "{latest}", "2020-07-02", ""])
 def test_unknown_api_version_is_rejected(emu: Emulator, http: requests.Session, version: str) -> None:
     r = http.get(emu.url + SE, params={"api-version": version}, headers=H)
     assert r.status_code == 400
-    assert r.json()["newest-versions"][0] == "2020-07-01"
+    assert r.json()["newest-versions"][0] == "2024-07-09"
 
 
 def test_every_documented_version_answers(emu: Emulator, http: requests.Session) -> None:
     assert SE_VERSIONS == ("2017-03-01", "2017-08-01", "2017-11-01", "2019-01-01", "2019-04-01",
-                           "2019-08-01", "2020-07-01")
+                           "2019-08-01", "2020-07-01", "2024-07-09")
     for version in SE_VERSIONS:
         assert get_doc(http, emu.url, version) == {"DocumentIncarnation": 1, "Events": []}
 

@@ -87,7 +87,7 @@ def test_scenario_record_sequence(runs, name):
             terminal = d["Change"] in ("completed", "canceled", "ended")  # one fleet-wide key, outcome in data
             assert r["eventkey"].startswith(f"{event_id}:{'ended' if terminal else d['Change']}")
             assert (d.get("Outcome") == ("unknown" if d["Change"] == "ended" else d["Change"])) == terminal
-            assert d["ApiVersion"] == "2020-07-01" and d["Vm"]["VmId"]
+            assert d["ApiVersion"] == "2024-07-09" and d["Vm"]["VmId"]  # api_version "auto", served here
             assert r["source"] == d["Vm"]["ResourceId"]
     seqs = [int(r["sequence"]) for r in records]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "sequence must count up without gaps"

@@ -5,3 +5,4 @@ set -eu
 here="$(dirname "$0")"
 sh "$here/eventhubs/install.sh"
 sh "$here/azurite/install.sh"
+sh "$here/kusto/install.sh"

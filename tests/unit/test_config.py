@@ -87,7 +87,7 @@ def test_default_config_values() -> None:
     config = default_config()
     assert config.source == "built-in defaults"
     assert config.imds.endpoint == "http://169.254.169.254"
-    assert config.imds.api_version == "2020-07-01"
+    assert config.imds.api_version == "auto"
     assert config.imds.poll_interval == 1.0
     assert config.imds.timeout == 5.0
     assert config.imds.first_call_timeout == 150.0

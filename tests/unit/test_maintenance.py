@@ -128,7 +128,7 @@ def test_pending_counts_have_fixed_keys_and_bounded_values():
     d = doc({"id": "A"}, {"id": "B", "type": "Freeze", "status": "Started", "resources": ["web-9"]},
             {"id": "C", "type": "Weird", "status": "Odd"})
     counts = pending_counts(d, VM)
-    assert len(counts) == 36 == len(pending_counts(None, VM))
+    assert len(counts) == 42 == len(pending_counts(None, VM))
     assert counts[("Reboot", "Scheduled", "true")] == 1
     assert counts[("Freeze", "Started", "false")] == 1
     assert counts[("other", "other", "true")] == 1

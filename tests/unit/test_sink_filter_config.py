@@ -35,7 +35,7 @@ def test_every_problem_of_every_filter_is_listed_at_once():
         "started, updated, completed, canceled, ended)",
         "sinks[0] (stdout): filter.changes: expected non-empty strings, got 3",
         "sinks[0] (stdout): filter.event_types: IMDS values are case-sensitive: 'reboot' never matches; write 'Reboot'",
-        "sinks[0] (stdout): filter.event_types: unknown name 'Hibernate' (did you mean 'Terminate'?) (known: Reboot, Redeploy, Freeze, Preempt, Terminate)",
+        "sinks[0] (stdout): filter.event_types: unknown name 'Hibernate' (did you mean 'Terminate'?) (known: Reboot, Redeploy, Freeze, Preempt, Terminate, SpotRebalanceRecommendation)",
         "sinks[0] (stdout): filter.affects_this_vm must be true or false, got 'yes'",
         "sinks[1] (f): filter.changes: an empty list would hold back every record; remove the key to send them all",
         "sinks[2] (s2): filter must be a table (filter = { changes = [\"scheduled\"] }), got ['scheduled']",
