@@ -515,6 +515,9 @@ class Telemetry:
 
         # Pending events, seconds to NotBefore, maintenance and actions: fixed label sets, for alerts.
         self._actions = register(meter, lambda: self._maintenance)
+        from forwarder.protect.metrics import ProtectMetrics
+
+        self._protect = ProtectMetrics(meter)  # drain slack, held, missed: from the protect.* records
 
     def _snapshot(self) -> Mapping[str, Any]:
         if self._snapshot_fn is None:
@@ -574,6 +577,8 @@ class Telemetry:
             self._records.add(1, {"type": record.type})
             if record.type.startswith("approval."):
                 self._approvals.add(1, {"outcome": record.type.partition(".")[2]})
+            elif record.type.startswith("protect."):
+                self._protect.observe(record)
 
     # -- endpoint --
     def render_metrics(self) -> tuple[bytes, str]:

@@ -8,9 +8,14 @@ VM's event, never before the drain is over; approvals wait for the drain; restar
 from __future__ import annotations
 
 import os
+import re
+import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from forwarder.emulator import Emulator
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
@@ -254,3 +259,59 @@ def test_an_admins_cordon_stays(tmp_path):
         assert agent.terminate() == 0
     assert calls(log, "drain", "end") and not calls(log, "uncordon")
     assert "leaving node-1 cordoned" in records(out, "protect.left")[0]["data"]["Hook"]["Output"]
+
+
+def _metrics_url(agent: AgentProcess) -> str:
+    found = wait_until(lambda: re.search(r"/metrics and /healthz on (http://\S+)", agent.logs()), 60, "telemetry")
+    return found[1]
+
+
+def _scrape(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {m[1] + (m[2] or ""): float(m[3]) for line in text.splitlines()
+            if not line.startswith("#") and (m := _SAMPLE.match(line))}
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def test_drain_slack_and_held_are_measured(tmp_path):
+    pytest.importorskip("opentelemetry.exporter.prometheus")
+    log, out = tmp_path / "kubectl.log", tmp_path / "out.jsonl"
+    fake_kubectl(tmp_path / "bin", log)
+    with Emulator(vms=["myVM"], rate_limit=None) as emu:
+        agent = start(tmp_path, emu, protect_toml() + '[telemetry]\nlisten = "127.0.0.1:0"\n')
+        base = _metrics_url(agent)
+        emu.schedule(type="Reboot", resources=["myVM"], start_after=120)
+        entered = wait_until(lambda: records(out, "protect.entered"), 60, "protect.entered")[0]["data"]
+        samples = wait_until(lambda: (s := _scrape(base)).get("sefwd_protect_held") == 1 and s, 60, "held = 1")
+        assert agent.terminate() == 0
+    slack = entered["DrainSlackSeconds"]
+    assert 100 < slack <= 120
+    # (buckets below zero too, for late drains: Prometheus then shows no _sum; +Inf is the count)
+    bucket = 'sefwd_protect_drain_slack_seconds_bucket{le="%s"}'
+    assert samples[bucket % "+Inf"] == 1 and samples[bucket % "120.0"] == 1 and samples[bucket % "60.0"] == 0
+    assert samples["sefwd_protect_drain_slack_last_seconds"] == pytest.approx(slack)
+
+
+def test_notbefore_moved_earlier_cuts_the_running_drain_and_says_so(tmp_path):
+    pytest.importorskip("opentelemetry.exporter.prometheus")
+    log, out = tmp_path / "kubectl.log", tmp_path / "out.jsonl"
+    fake_kubectl(tmp_path / "bin", log, drain_sleep=60)
+    with Emulator(vms=["myVM"], rate_limit=None) as emu:
+        agent = start(tmp_path, emu, protect_toml() + '[telemetry]\nlisten = "127.0.0.1:0"\n')
+        base = _metrics_url(agent)
+        event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
+        wait_until(lambda: calls(log, "drain", "start"), 60, "the drain to start")
+        emu.update(event_id, start_after=6)  # NotBefore now 6 s away: the drain must be over 2 s before it
+        moved = time.time()
+        missed = wait_until(lambda: records(out, "protect.missed"), 60, "protect.missed")[0]["data"]
+        samples = wait_until(lambda: (s := _scrape(base)).get('sefwd_protect_missed_total{reason="enter_deadline"}') and s,
+                             60, "the missed counter")
+        assert agent.terminate() == 0
+    assert missed["Reason"] == "enter_deadline" and missed["EventIds"] == [event_id]
+    assert missed["Hook"]["TimedOut"] is True
+    assert time.time() - moved < 30  # cut at the new deadline, not the old one 10 minutes away
+    assert samples['sefwd_protect_missed_total{reason="enter_deadline"}'] == 1
+    assert "protect: enter" in agent.logs() and "hit its deadline" in agent.logs()
