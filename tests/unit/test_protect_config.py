@@ -122,3 +122,20 @@ def test_per_change_hooks_run_for_this_vms_events_unless_told(tmp_path: Path, re
         assert bool(store.query("SELECT count(*) FROM actions WHERE kind = 'hook'")[0][0]) is runs
     finally:
         store.close()
+
+
+def test_the_protect_examples_of_the_docs_pass_config_check():
+    import re
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "approvals.md").read_text()
+    blocks = [b for b in re.findall(r"```toml\n(.*?)```", text, re.S) if re.search(r"^\[protect\]$", b, re.M)]
+    assert len(blocks) >= 4
+    for block in blocks:
+        data = tomllib.loads(block)
+        config = parse_config({"state": STATE, **data}, {}, "test.toml")
+        assert config.protect is not None and config.protect.enter
