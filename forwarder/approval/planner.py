@@ -149,10 +149,16 @@ class Planner:
                                       (UNDO, event.event_id, name)).fetchone():
             return None  # an undo runs once per event
         deadline = event.not_before.timestamp() if kind == HOOK and event.not_before and not event.started else None
+        # One event's hooks run in order: an undo (or a re-planned hook) waits for a drain still running,
+        # so an event canceled during its drain is undone after it, never before; and an approval after
+        # the newest hook waits for the older one too.
+        before = c.execute("SELECT id FROM actions WHERE kind = ? AND event_id = ? AND state IN (?, ?, ?) "
+                           "ORDER BY id DESC LIMIT 1", (HOOK, event.event_id, *rows.OPEN_STATES)).fetchone()
         return self._insert(c, NewAction(
             kind=kind, event_id=event.event_id, change=change.kind, event=dict(event.raw),
             due=hook_due(spec, event, now) if kind == HOOK else now, deadline=deadline, hook=name,
-            incarnation=document.incarnation, record=record, dry_run=self.config.dry_run), now)
+            incarnation=document.incarnation, record=record, after=int(before[0]) if before else None,
+            dry_run=self.config.dry_run), now)
 
     def _plan_policy(self, c: sqlite3.Connection, change: Change, record: Mapping[str, Any], document: Document,
                      now: float, gate: int | None, *, reconsidering: bool = False) -> None:

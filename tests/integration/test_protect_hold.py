@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 import urllib.request
 from datetime import datetime
@@ -73,6 +75,14 @@ def gone(out: Path) -> list[dict[str, Any]]:
                                                          "scheduledevent.ended")]
 
 
+def status(agent: AgentProcess) -> str:
+    """`sefwd status` as a person reads it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SEFWD_")}
+    done = subprocess.run([sys.executable, "-m", "forwarder", "status", "--config", str(agent.config)],
+                          capture_output=True, text=True, env={**env, "PYTHONPATH": str(ROOT)}, timeout=60)
+    return done.stdout
+
+
 def epoch(iso: str) -> float:
     return datetime.fromisoformat(iso).timestamp()
 
@@ -111,6 +121,8 @@ def test_overlapping_events_one_drain_one_uncordon_after_the_last(tmp_path):
         agent = start(tmp_path, emu, protect_toml(types=types, settle="1s"))
         reboot = emu.schedule(type="Reboot", resources=["myVM"], start_after=900)
         wait_until(lambda: calls(log, "drain", "end"), 60, "the drain")
+        shown = wait_until(lambda: "protect: held" in (text := status(agent)) and text, 60, "the hold in sefwd status")
+        assert f"for {reboot}; enter done, leave not yet" in shown
         freeze = emu.schedule(type="Freeze", resources=["myVM"], start_after=600)
         redeploy = emu.schedule(type="Redeploy", resources=[], start_after=700)  # naming no VM: ours too
         wait_until(lambda: len(records(out, "scheduledevent.scheduled")) == 3, 60, "three events")
@@ -315,3 +327,26 @@ def test_notbefore_moved_earlier_cuts_the_running_drain_and_says_so(tmp_path):
     assert time.time() - moved < 30  # cut at the new deadline, not the old one 10 minutes away
     assert samples['sefwd_protect_missed_total{reason="enter_deadline"}'] == 1
     assert "protect: enter" in agent.logs() and "hit its deadline" in agent.logs()
+
+
+def test_the_old_per_change_recipe_acts_for_this_vm_only_and_undoes_after_the_drain(tmp_path):
+    """Existing configs keep working, better: another VM's Reboot does not drain this node
+    (affects_this_vm = true by default) and a cancel during the drain is undone after it."""
+    log, out = tmp_path / "kubectl.log", tmp_path / "out.jsonl"
+    fake_kubectl(tmp_path / "bin", log, drain_sleep=3)
+    legacy = (f'[approval]\nhook_env = ["KUBECONFIG", "NODE_NAME"]\n[approval.hooks]\n'
+              f'scheduled = {{ command = ["{HOOKS}/k8s-drain.sh"] }}\ncompleted = ["{HOOKS}/k8s-uncordon.sh"]\n'
+              f'canceled = ["{HOOKS}/k8s-uncordon.sh"]\nended = ["{HOOKS}/k8s-uncordon.sh"]\n')
+    with Emulator(vms=["myVM", "other"], rate_limit=None) as emu:
+        agent = start(tmp_path, emu, legacy)
+        emu.schedule(type="Reboot", resources=["other"], start_after=600)
+        wait_until(lambda: records(out, "scheduledevent.scheduled"), 60, "the other VM's event")
+        own = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
+        wait_until(lambda: calls(log, "drain", "start"), 60, "this VM's drain")
+        emu.cancel(own)
+        wait_until(lambda: calls(log, "uncordon", "end"), 60, "the uncordon")
+        assert agent.terminate() == 0
+    assert len(calls(log, "drain", "start")) == 1  # this VM's only
+    assert calls(log, "uncordon", "start")[0][0] >= calls(log, "drain", "end")[0][0]
+    drains = [r for r in records(out, "approval.ran") if r["data"]["Action"]["HookName"] == "scheduled"]
+    assert [r["data"]["EventIds"] for r in drains] == [[own]]

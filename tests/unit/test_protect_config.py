@@ -139,3 +139,25 @@ def test_the_protect_examples_of_the_docs_pass_config_check():
         data = tomllib.loads(block)
         config = parse_config({"state": STATE, **data}, {}, "test.toml")
         assert config.protect is not None and config.protect.enter
+
+
+def test_the_vm_extension_maps_protect_settings_to_a_valid_config():
+    import importlib.util
+    import re
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib  # type: ignore[no-redef]
+    import json
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("sefwd_handler_for_protect", root / "deploy" / "vm-extension" / "handler.py")
+    assert spec is not None and spec.loader is not None
+    handler = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(handler)
+    readme = (root / "deploy" / "vm-extension" / "README.md").read_text()
+    example = next(b for b in re.findall(r"```json\n(.*?)```", readme, re.S) if '"protect"' in b)
+    data = tomllib.loads(handler.render_config(json.loads(example)["settings"]))
+    config = parse_config({"state": STATE, **data}, {}, "test.toml")
+    assert config.protect is not None and config.protect.at == 300.0 and config.protect.hook_env == ("KUBECONFIG", "NODE_NAME")
