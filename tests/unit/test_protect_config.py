@@ -3,6 +3,7 @@ record types (records and filters), protect.* records and their notify messages,
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,14 @@ from forwarder.store.database import Store
 from sinks.notify_messages import MessageRenderer
 
 STATE = {"dir": "/tmp/unused-sefwd-state"}
+
+
+def _toml() -> Any:
+    """tomllib, or tomli on Python 3.10."""
+    import importlib
+    import sys
+
+    return importlib.import_module("tomllib" if sys.version_info >= (3, 11) else "tomli")
 
 
 def problems(data: dict) -> list[str]:
@@ -127,10 +136,7 @@ def test_per_change_hooks_run_for_this_vms_events_unless_told(tmp_path: Path, re
 def test_the_protect_examples_of_the_docs_pass_config_check():
     import re
 
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    tomllib = _toml()
 
     text = (Path(__file__).resolve().parents[2] / "docs" / "approvals.md").read_text()
     blocks = [b for b in re.findall(r"```toml\n(.*?)```", text, re.S) if re.search(r"^\[protect\]$", b, re.M)]
@@ -145,10 +151,7 @@ def test_the_vm_extension_maps_protect_settings_to_a_valid_config():
     import importlib.util
     import re
 
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    tomllib = _toml()
     import json
 
     root = Path(__file__).resolve().parents[2]

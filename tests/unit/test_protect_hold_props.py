@@ -84,17 +84,17 @@ class World:
                 "DurationInSeconds": -1}
             self.owner[event_id] = who
             self.commit()
-        elif kind == "gone" and (event_id := self.pick(op[1])) is not None:
-            del self.events[event_id]
+        elif kind == "gone" and (gone := self.pick(op[1])) is not None:
+            del self.events[gone]
             self.commit()
-        elif kind == "move" and (event_id := self.pick(op[1])) is not None and \
-                self.events[event_id]["EventStatus"] == "Scheduled":
-            self.events[event_id]["NotBefore"] = formatdate(self.now + op[2], usegmt=True)
+        elif kind == "move" and (moved := self.pick(op[1])) is not None and \
+                self.events[moved]["EventStatus"] == "Scheduled":
+            self.events[moved]["NotBefore"] = formatdate(self.now + op[2], usegmt=True)
             self.commit()
-        elif kind == "start" and (event_id := self.pick(op[1])) is not None and \
-                self.events[event_id]["EventStatus"] == "Scheduled":
-            self.events[event_id].update(EventStatus="Started", NotBefore="")
-            self.commit(started=(event_id,))
+        elif kind == "start" and (started := self.pick(op[1])) is not None and \
+                self.events[started]["EventStatus"] == "Scheduled":
+            self.events[started].update(EventStatus="Started", NotBefore="")
+            self.commit(started=(started,))
         elif kind == "restart":
             self.running = None  # the process is gone (kill -9): its row stays running until the start
             HoldWorker.recover(self.store, self.now)
