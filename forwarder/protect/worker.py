@@ -195,7 +195,8 @@ class HoldWorker:
         if result.ok:
             outcome, reason = (ENTERED, "enter_ok") if action.kind == ENTER else (LEFT, "leave_ok")
             record = entry(outcome, reason, enter, Hook=audit, **times)
-            self._finish(action, rows.DONE, record, {"Outcome": outcome, "Reason": reason, "Hook": audit})
+            self._finish(action, rows.DONE, record, {"Outcome": outcome, "Reason": reason, "Hook": audit,
+                                                     "FinishedAt": finished})
             log.info("protect: %s (action %d) done%s", action.kind, action.id,
                      f"; slack to NotBefore {times['DrainSlackSeconds']:.1f}s"
                      if times.get("DrainSlackSeconds") is not None else "")
@@ -205,7 +206,7 @@ class HoldWorker:
         detail = (f"{action.kind} was cut off at its deadline ({margin:g}s before NotBefore)" if why == "deadline"
                   else f"{action.kind} failed: exit code {result.exit_code}{', ' + result.error if result.error else ''}")
         self._finish(action, rows.FAILED, missed(reason, detail, hold, Transition=action.kind, Hook=audit, **times),
-                     {"Outcome": "failed", "Reason": reason, "Hook": audit})
+                     {"Outcome": "failed", "Reason": reason, "Hook": audit, "FinishedAt": finished})
         log.warning("protect: %s (action %d, hold %d) %s: %s", action.kind, action.id, enter.id,
                     "hit its deadline" if why == "deadline" else "failed", detail)
 
@@ -245,7 +246,7 @@ class HoldWorker:
             deadline = self._deadline(enter.id)
             return {"NotBefore": _when(deadline), "FinishedAt": _when(finished),
                     "DrainSlackSeconds": round(deadline - finished, 3) if deadline is not None else None}
-        entered = self._row_updated(enter.id)
+        entered = self._entered_at(enter.id)
         return {"EnteredAt": _when(entered), "LeftAt": _when(finished),
                 "OutOfServiceSeconds": round(finished - entered, 3) if entered is not None else None}
 
@@ -253,9 +254,12 @@ class HoldWorker:
         found = self.store.query("SELECT deadline FROM actions WHERE id = ?", (action_id,))
         return float(found[0][0]) if found and found[0][0] is not None else None
 
-    def _row_updated(self, action_id: int) -> float | None:
-        found = self.store.query("SELECT updated FROM actions WHERE id = ?", (action_id,))
-        return float(found[0][0]) if found and found[0][0] is not None else None
+    def _entered_at(self, action_id: int) -> float | None:
+        """When the hold's enter finished (its result says; None if it never did)."""
+        with self.store.transaction() as c:
+            enter = rows.get(c, action_id)
+        value = (enter.result or {}).get("FinishedAt") if enter is not None else None
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def hold_dir(state_dir: Path) -> Path:

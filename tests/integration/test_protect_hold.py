@@ -84,7 +84,7 @@ def status(agent: AgentProcess) -> str:
 
 
 def epoch(iso: str) -> float:
-    return datetime.fromisoformat(iso).timestamp()
+    return datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()  # (3.10 reads no "Z")
 
 
 def test_another_vms_reboot_and_freeze_leave_this_node_alone(tmp_path):
@@ -139,6 +139,10 @@ def test_overlapping_events_one_drain_one_uncordon_after_the_last(tmp_path):
     assert uncordon_at >= last_end + 1.0 - 0.05  # after the last event ended, plus the settle time
     left, = records(out, "protect.left")
     assert sorted(left["data"]["EventIds"]) == sorted([reboot, freeze, redeploy])
+    (drain_end, *_), = calls(log, "drain", "end")
+    entered_at, left_at = epoch(left["data"]["EnteredAt"]), epoch(left["data"]["LeftAt"])
+    assert abs(entered_at - drain_end) < 1.0  # when the drain finished, not when the hold last changed
+    assert left_at >= uncordon_at and left["data"]["OutOfServiceSeconds"] == pytest.approx(left_at - entered_at, abs=0.01)
 
 
 def test_cancel_during_a_slow_drain_gives_drain_then_undo(tmp_path):
