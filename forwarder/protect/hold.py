@@ -182,9 +182,9 @@ def plan(c: sqlite3.Connection, document: Document | None, vm: VmIdentity, confi
     if hold is None or not hold.open:
         return entries
     enter = hold.enter
-    if not hold.enter_started:
-        rows.finish(c, enter.id, rows.SUPERSEDED, {"Outcome": "superseded", "Reason": "hold_over_before_enter"}, now,
-                    only_from=(rows.PLANNED, rows.DUE))
+    if not hold.enter_started and rows.finish(c, enter.id, rows.SUPERSEDED,
+                                              {"Outcome": "superseded", "Reason": "hold_over_before_enter"}, now,
+                                              only_from=(rows.PLANNED, rows.DUE)):
         log.info("the events holding this VM ended before its enter (action %d) began: nothing to undo", enter.id)
         return entries
     if enter.state in (rows.PLANNED, rows.DUE):  # begun, then stopped (restart): over, and undone below

@@ -139,7 +139,7 @@ class HoldWorker:
             log.warning("protect: %s (action %d) gave up after %d attempts", action.kind, action.id, action.attempts - 1)
             return
         if command is None:  # no leave configured: the hold is over all the same
-            self._finish(action, rows.DONE, entry(LEFT, "nothing_to_run", enter, **self._times(enter, None)),
+            self._finish(action, rows.DONE, entry(LEFT, "nothing_to_run", enter, **self._times(enter, action)),
                          {"Outcome": LEFT, "Reason": "nothing_to_run"})
             return
         if action.dry_run:
