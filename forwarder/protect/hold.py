@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from forwarder.agent.maintenance import affects  # the probe's answer: the probe and the hold agree
 from forwarder.imds.document import Document, Event
 from forwarder.imds.identity import VmIdentity
 from forwarder.protect.settings import ProtectConfig
@@ -39,7 +40,7 @@ ENTERED, LEFT, MISSED = "entered", "left", "missed"
 
 def holds_this_vm(event: Event, vm: VmIdentity, config: ProtectConfig) -> bool:
     """Of a protected type, and naming this VM in Resources (naming none, or our name unknown: ours)."""
-    return config.wants(event.event_type) and (not event.resources or vm.affected_by(event.resources) is not False)
+    return config.wants(event.event_type) and affects(vm, event) is not False
 
 
 def held_events(document: Document | None, vm: VmIdentity, config: ProtectConfig) -> list[Event]:
