@@ -717,13 +717,13 @@ def _hook_scope_notes(config: Config) -> list[str]:
     """[protect] in one line, and which per-change hooks run only for this VM's events (the default)."""
     from forwarder.protect.settings import describe as describe_protect
 
-    lines = [describe_protect(config.protect)] if config.protect is not None else []
+    lines = []
     own = [kind for kind, spec in config.approval.hooks.items() if spec.affects_this_vm]
     if own:
         lines.append(f"  hooks {', '.join(own)} run only for events whose Resources name this VM (or name none): "
                      "affects_this_vm = true, the default; set affects_this_vm = false on a hook to run it for "
                      "every VM's events")
-    return lines
+    return lines + ([describe_protect(config.protect)] if config.protect is not None else [])
 
 
 def describe(config: Config) -> str:
