@@ -35,7 +35,7 @@ class Protection:
         self.dry_run = dry_run
         self.clock = clock
         # Before any other worker starts: transitions a crash left running are due again.
-        recovered = HoldWorker.recover(store, clock())
+        recovered = HoldWorker.recover(store, clock(), hold_dir(state_dir))
         if recovered:
             log.warning("protect: %d transition(s) were running when the agent stopped: taking them up again", recovered)
         self.worker = HoldWorker(config, store, stop, output_limit=output_limit, env_allow=env_allow,

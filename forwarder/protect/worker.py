@@ -9,6 +9,7 @@ moves with it. A transition the agent's stop interrupts runs again at the next s
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -68,11 +69,18 @@ class HoldWorker:
         self._thread: threading.Thread | None = None
 
     @staticmethod
-    def recover(store: Store, now: float) -> int:
-        """At start, before anything runs: transitions a crash left ``running`` are due again."""
+    def recover(store: Store, now: float, hold_dir: Path | None = None) -> int:
+        """At start, before anything runs: transitions a crash left ``running`` are due again, and a
+        command the killed agent left running is stopped first (two drains at once, or a drain still
+        running when the undo starts, is what the hold exists to prevent)."""
         with store.transaction() as c:
-            return c.execute("UPDATE actions SET state = 'due', updated = ? WHERE state = 'running' AND kind IN (?, ?)",
-                             (now, *KINDS)).rowcount
+            ids = [int(r[0]) for r in c.execute("SELECT id FROM actions WHERE state = 'running' AND kind IN (?, ?)",
+                                                KINDS).fetchall()]
+            c.execute("UPDATE actions SET state = 'due', updated = ? WHERE state = 'running' AND kind IN (?, ?)",
+                      (now, *KINDS))
+        if ids and hold_dir is not None:
+            stop_leftovers(hold_dir, ids)
+        return len(ids)
 
     def start(self) -> HoldWorker:
         if self.hold_dir is not None:
@@ -260,6 +268,78 @@ class HoldWorker:
             enter = rows.get(c, action_id)
         value = (enter.result or {}).get("FinishedAt") if enter is not None else None
         return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _environ(pid: str) -> dict[str, str]:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return {}
+    pairs = (item.partition(b"=") for item in raw.split(b"\0") if item)
+    return {k.decode(errors="replace"): v.decode(errors="replace") for k, _, v in pairs}
+
+
+def stop_leftovers(hold_dir: Path, action_ids: Sequence[int]) -> list[int]:
+    """SIGTERM (then SIGKILL) the process groups still running one of ``action_ids`` for this state
+    directory: found by the variables the agent gave them (SEFWD_HOLD_DIR, SEFWD_ACTION_ID), so never
+    another agent's command nor an unrelated process that reused a pid. Linux only (/proc)."""
+    wanted = {str(i) for i in action_ids}
+    groups: set[int] = set()
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        env = _environ(pid)
+        if env.get("SEFWD_HOLD_DIR") == str(hold_dir) and env.get("SEFWD_ACTION_ID") in wanted:
+            try:
+                groups.add(os.getpgid(int(pid)))
+            except OSError:
+                continue
+    for pgid in sorted(groups):
+        if pgid in (0, 1, os.getpgid(0)):
+            continue  # (never our own group, nor init's)
+        log.warning("protect: a transition the stopped agent started is still running (process group %d): "
+                    "stopping it before it runs again", pgid)
+        _end_group(pgid)
+    return sorted(groups)
+
+
+def _end_group(pgid: int, grace: float = 5.0) -> None:
+    import signal
+
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except OSError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not _group_running(pgid):
+            return
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of the group is alive and not a zombie (orphans wait for init to reap them)."""
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()  # state ppid pgrp ...
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != b"Z":
+            return True
+    return False
 
 
 def hold_dir(state_dir: Path) -> Path:

@@ -209,7 +209,7 @@ def _one_of_each(log: Path, out: Path) -> None:
 
 def test_kill_9_during_enter_resumes_it(tmp_path):
     log, out = tmp_path / "kubectl.log", tmp_path / "out.jsonl"
-    fake_kubectl(tmp_path / "bin", log, drain_sleep=2)
+    fake_kubectl(tmp_path / "bin", log, drain_sleep=4)
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         agent = start(tmp_path, emu, protect_toml())
         event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
@@ -221,6 +221,8 @@ def test_kill_9_during_enter_resumes_it(tmp_path):
         wait_until(lambda: records(out, "protect.left"), 60, "protect.left")
         assert again.terminate() == 0
     assert len(calls(log, "drain", "start")) == 2  # taken up again: a drain is idempotent
+    assert len(calls(log, "drain", "end")) == 1  # the killed agent's drain was stopped before the new one
+    assert "still running (process group" in again.logs()
     _one_of_each(log, out)
 
 
@@ -246,7 +248,7 @@ def test_kill_9_between_enter_and_approval(tmp_path):
 
 def test_kill_9_during_leave_resumes_it(tmp_path):
     log, out = tmp_path / "kubectl.log", tmp_path / "out.jsonl"
-    fake_kubectl(tmp_path / "bin", log, uncordon_sleep=2)
+    fake_kubectl(tmp_path / "bin", log, uncordon_sleep=4)
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         agent = start(tmp_path, emu, protect_toml())
         event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
@@ -258,6 +260,7 @@ def test_kill_9_during_leave_resumes_it(tmp_path):
         wait_until(lambda: records(out, "protect.left"), 60, "protect.left after the restart")
         assert again.terminate() == 0
     assert len(calls(log, "drain", "start")) == 1 and len(calls(log, "uncordon", "start")) == 2
+    assert len(calls(log, "uncordon", "end")) == 1  # the killed agent's uncordon was stopped first
     assert len(records(out, "protect.left")) == 1 and len(records(out, "protect.entered")) == 1
     drain_end = calls(log, "drain", "end")[0][0]
     assert min(t for t, *_ in calls(log, "uncordon", "start")) >= drain_end
