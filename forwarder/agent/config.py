@@ -613,7 +613,7 @@ def parse_config(
     base_dir = Path(source).absolute().parent if source != DEFAULTS_SOURCE else None
     parsed = _parse_sections(data, env, base_dir, problems)
     sinks = _parse_sinks(data, check_sinks, problems)
-    protect, protect_problems = parse_protect(data.get("protect"))
+    protect, protect_problems = parse_protect(data.get("protect"), env)
     problems.extend(protect_problems)
     approval, approval_problems = parse_approval(data.get("approval", {}), env, base_dir, protect="protect" in data)
     problems.extend(approval_problems)

@@ -400,7 +400,9 @@ PROTECT_DOC = (
     "deploy/hooks recipes are), with SEFWD_TRANSITION, SEFWD_HOLD_ID, SEFWD_HOLD_EVENTS, SEFWD_HOLD_DIR (a "
     "directory to note what enter did, so leave undoes only that), SEFWD_DEADLINE and SEFWD_SECONDS_LEFT. "
     "An approval rule with after_hooks = true waits for enter. Records: protect.entered, protect.left, "
-    "protect.missed (a failed or late drain, an event that started first, a failed leave)."
+    "protect.missed (a failed or late drain, an event that started first, a failed leave). Environment: "
+    "SEFWD_PROTECT_AT, SEFWD_PROTECT_SETTLE, SEFWD_PROTECT_DEADLINE_MARGIN and SEFWD_PROTECT_TIMEOUT override "
+    "those keys (the commands come from this file only)."
 )
 PROTECT_EXAMPLE: dict[str, Any] = {
     "enter": ["/usr/local/lib/sefwd/k8s-drain.sh"],

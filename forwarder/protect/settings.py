@@ -71,23 +71,44 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def parse_protect(raw: Any) -> tuple[ProtectConfig | None, list[str]]:
-    """Validate ``[protect]``; returns (config or None when absent or wrong, every problem)."""
-    if raw is None:
-        return None, []
-    if not isinstance(raw, Mapping):
-        return None, [f"protect must be a table ([protect]), got {raw!r}"]
+ENV_PREFIX = "SEFWD_PROTECT_"
+ENV_KEYS = ("at", "settle", "deadline_margin", "timeout")  # the commands and lists come from the file only
+
+
+def parse_protect(raw: Any, env: Mapping[str, str] | None = None) -> tuple[ProtectConfig | None, list[str]]:
+    """Validate ``[protect]`` plus ``SEFWD_PROTECT_<KEY>`` overrides; returns (config or None when absent
+    or wrong, every problem)."""
     problems: list[str] = []
+    overrides: dict[str, tuple[Any, str]] = {}
+    for var in sorted(env or {}):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        key = var[len(ENV_PREFIX):].lower()
+        if key not in ENV_KEYS:
+            names = [f"{ENV_PREFIX}{k.upper()}" for k in ENV_KEYS]
+            problems.append(f"unknown environment variable {var}: [protect] has no overridable key {key!r}"
+                            f"{suggest(var, names)}")
+        elif (env or {})[var] != "":  # empty means unset, as elsewhere
+            overrides[key] = ((env or {})[var], f"environment {var}")
+    if raw is None:
+        if overrides:
+            problems.append(f"{', '.join(v[1] for v in overrides.values())}: set, but there is no [protect] table")
+        return None, problems
+    if not isinstance(raw, Mapping):
+        return None, problems + [f"protect must be a table ([protect]), got {raw!r}"]
     for key in raw:
         if key not in PROTECT_KEYS:
             problems.append(f"unknown key protect.{key}{suggest(str(key), PROTECT_KEYS)}")
+    given: dict[str, tuple[Any, str]] = {k: (raw[k], f"protect.{k}") for k in _PARSERS if k in raw}
+    given.update(overrides)
     values: dict[str, Any] = {}
     for key, parse in _PARSERS.items():
-        if key in raw:
+        if key in given:
+            value, label = given[key]
             try:
-                values[key] = parse(raw[key])
+                values[key] = parse(value)
             except ValueError as exc:
-                problems.append(f"protect.{key}: {exc}")
+                problems.append(f"{label}: {exc}")
     if "enter" not in raw:
         # A leave alone would undo what nothing did.
         problems.append('protect: missing \'enter\' (the command taking this VM out of service, e.g. '

@@ -164,3 +164,20 @@ def test_the_vm_extension_maps_protect_settings_to_a_valid_config():
     data = tomllib.loads(handler.render_config(json.loads(example)["settings"]))
     config = parse_config({"state": STATE, **data}, {}, "test.toml")
     assert config.protect is not None and config.protect.at == 300.0 and config.protect.hook_env == ("KUBECONFIG", "NODE_NAME")
+
+
+def test_environment_overrides_of_protect():
+    def parse(env: dict[str, str], protect: object = None) -> tuple[Any, list[str]]:
+        try:
+            config = parse_config({"state": STATE, **({"protect": protect} if protect is not None else {})}, env, "t.toml")
+        except ConfigError as exc:
+            return None, exc.problems
+        return config.protect, []
+
+    found, none = parse({"SEFWD_PROTECT_SETTLE": "2m", "SEFWD_PROTECT_AT": "notbefore - 1m"}, {"enter": "drain"})
+    assert not none and found is not None and (found.settle, found.at) == (120.0, 60.0)
+    assert parse({"SEFWD_PROTECT_SETTLE": "soon"}, {"enter": "drain"})[1][0].startswith("environment SEFWD_PROTECT_SETTLE:")
+    unknown, = parse({"SEFWD_PROTECT_ENTER": "rm -rf /"}, {"enter": "drain"})[1]  # commands: from the file only
+    assert unknown.startswith("unknown environment variable SEFWD_PROTECT_ENTER: [protect] has no overridable key 'enter'")
+    assert parse({"SEFWD_PROTECT_SETTLE": "5s"})[1] == [
+        "environment SEFWD_PROTECT_SETTLE: set, but there is no [protect] table"]
