@@ -24,6 +24,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from forwarder.agent.maintenance import affects  # the probe's answer: the probe and the hold agree
 from forwarder.imds.document import Document, Event
 from forwarder.imds.identity import VmIdentity
@@ -115,8 +117,6 @@ def _info(events: list[Event], before: Mapping[str, Any] | None = None) -> dict[
 
 
 def _set(c: sqlite3.Connection, action_id: int, now: float, **columns: Any) -> None:
-    import orjson
-
     values = {k: (orjson.dumps(v, default=str) if k == "event" else v) for k, v in columns.items()}
     sets = ", ".join(f"{k} = ?" for k in values)
     c.execute(f"UPDATE actions SET {sets}, updated = ? WHERE id = ?", (*values.values(), now, action_id))
@@ -149,7 +149,10 @@ def plan(c: sqlite3.Connection, document: Document | None, vm: VmIdentity, confi
     incarnation = document.incarnation if document is not None else None
     if events:
         if hold is None or not hold.open:
-            after = hold.leave.id if hold is not None and hold.leave is not None else None
+            # After the last leave of any earlier hold (even one whose enter was later called off): a new
+            # drain never overtakes an undo still running.
+            last_leave = _latest(c, LEAVE, "dry_run = ? AND state != ?", (int(dry_run), rows.SUPERSEDED))
+            after = last_leave.id if last_leave is not None else None
             info = _info(events)
             action_id = rows.insert(c, NewAction(
                 kind=ENTER, event_id=HOLD_SUBJECT, change="hold", event=info, due=enter_due(events, config, now),
