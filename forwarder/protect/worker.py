@@ -211,7 +211,9 @@ class HoldWorker:
             return
         why = "deadline" if hit.is_set() or result.timed_out else "failed"
         reason = f"{action.kind}_{why}"
-        detail = (f"{action.kind} was cut off at its deadline ({margin:g}s before NotBefore)" if why == "deadline"
+        cut_off = (f"enter was cut off at its deadline ({margin:g}s before NotBefore)" if action.kind == ENTER
+                   else f"leave was cut off after timeout ({self.config.timeout:g}s)")
+        detail = (cut_off if why == "deadline"
                   else f"{action.kind} failed: exit code {result.exit_code}{', ' + result.error if result.error else ''}")
         self._finish(action, rows.FAILED, missed(reason, detail, hold, Transition=action.kind, Hook=audit, **times),
                      {"Outcome": "failed", "Reason": reason, "Hook": audit, "FinishedAt": finished})
