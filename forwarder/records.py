@@ -14,11 +14,12 @@ from forwarder.imds.document import Document, Event
 from forwarder.imds.identity import VmIdentity
 from forwarder.imds.outcome import TERMINAL_KEY_SUFFIX, terminal_key
 from forwarder.sinkapi import Record
+from forwarder.record_types import EVENT_TYPE_PREFIX as EVENT_TYPE_PREFIX  # (re-exported)
+from forwarder.record_types import LIFECYCLE_TYPES as LIFECYCLE_TYPES
+from forwarder.record_types import RECORD_TYPES
 
 SPEC_VERSION = "1.0"
 SEQUENCE_WIDTH = 20  # zero-padded so the string sorts like the number (fits any u64)
-EVENT_TYPE_PREFIX = "scheduledevent."
-LIFECYCLE_TYPES = ("forwarder.started", "forwarder.heartbeat", "forwarder.stopped", "forwarder.data_lost")
 # Fixed namespace so the same change always gets the same id, on any machine, after any restart.
 _ID_NAMESPACE = uuid.UUID("6f0d6c1e-2b7a-5a53-9c1e-5e0f0bd0a7e1")
 
@@ -163,12 +164,17 @@ class RecordFactory:
             self.sequence = saved
 
     def approval(self, entry: Mapping[str, Any]) -> Record:
-        """``approval.<outcome>`` audit record; random id (an audit entry is never re-derived)."""
+        """``approval.<outcome>`` audit record (``protect.<outcome>`` for an entry of ``Family`` protect);
+        random id (an audit entry is never re-derived). An outcome no record type has is refused."""
         payload = dict(entry)
+        family = str(payload.pop("Family", None) or "approval")
+        rtype = f"{family}.{entry['Outcome']}"
+        if rtype not in RECORD_TYPES:
+            raise ValueError(f"unknown audit record type {rtype!r}")
         payload["ApiVersion"] = self.api_version
         payload["Vm"] = self.vm.record_data()
-        subject = entry.get("EventId") or "approval"
-        envelope = self._envelope(str(uuid.uuid4()), f"approval.{entry['Outcome']}", str(subject), payload, self._clock())
+        subject = entry.get("EventId") or family
+        envelope = self._envelope(str(uuid.uuid4()), rtype, str(subject), payload, self._clock())
         return self._record(envelope)
 
     def lifecycle(self, kind: str, data: Mapping[str, Any]) -> Record:

@@ -22,7 +22,7 @@ from markupsafe import escape
 
 FORMATS = ("text", "markdown", "html")
 TEMPLATE_KINDS = ("default", "scheduled", "started", "updated", "completed", "canceled", "ended",
-                  "approval", "forwarder")
+                  "approval", "protect", "forwarder")
 TEMPLATE_PARTS = ("title", "body")
 MAX_TITLE = 250
 MAX_BODY = 4000
@@ -116,6 +116,21 @@ DEFAULTS: dict[str, dict[str, str]] = {
             "{% if data.Detail %}\n{{ data.Detail }}{% endif %}"
         ),
     },
+    "protect": {
+        # This VM's hold ([protect]): out of service (entered), back (left), or protection that failed (missed).
+        "title": "{% if kind_detail == 'missed' %}Protection FAILED{% elif kind_detail == 'entered' %}Out of service"
+                 "{% else %}Back in service{% endif %}: {{ vm }}{% if data.EventIds %} "
+                 "({{ data.EventIds | join(', ') }}){% endif %}",
+        "body": (
+            "{% if kind_detail == 'missed' %}{{ vm }} was not fully protected ({{ data.Reason }})."
+            "{% elif kind_detail == 'entered' %}{{ vm }} left service for {{ data.EventIds | join(', ') }}"
+            "{% if data.DrainSlackSeconds is not none %}, {{ data.DrainSlackSeconds | round | int }} s before NotBefore"
+            "{% endif %}.{% else %}{{ vm }} is back in service after {{ data.EventIds | join(', ') }}.{% endif %}"
+            "{% if data.DryRun %} (dry run: nothing was run){% endif %}"
+            "{% if data.Detail %}\n{{ data.Detail }}{% endif %}"
+            "{% if kind_detail == 'missed' %}\nCheck the workload on {{ vm }} now.{% endif %}"
+        ),
+    },
     "forwarder": {
         "title": "sefwd on {{ vm }}: {{ kind_detail | replace('_', ' ') }}",
         "body": (
@@ -186,6 +201,8 @@ def notify_type(record_type: str, data: Mapping[str, Any]) -> str:
         return NOTIFY_TYPES.get(rest, "info")
     if family == "approval":
         return "success" if rest == "approved" else "failure" if rest in ("refused", "failed") else "info"
+    if family == "protect":
+        return "failure" if rest == "missed" else "success" if rest == "left" else "warning"
     return "failure" if rest == "data_lost" else "warning" if rest == "stopped" else "info"
 
 

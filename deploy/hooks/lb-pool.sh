@@ -2,9 +2,11 @@
 # sefwd hook recipe: take this VM out of an Azure load balancer backend pool before maintenance
 # ("leave"), and put it back after ("join"). Needs the Azure CLI logged in with the VM's managed
 # identity (az login --identity) and these names in the agent's environment, passed on with
-# [approval] hook_env = ["LB_RESOURCE_GROUP", "LB_NAME", "LB_POOL", "LB_NIC", "LB_IP_CONFIG"]:
-# [approval.hooks] scheduled = { command = ["/usr/local/lib/sefwd/lb-pool.sh", "leave"], at = "notbefore - 2m" }
-#                  completed = ["/usr/local/lib/sefwd/lb-pool.sh", "join"]   (same for canceled, ended)
+# [protect] hook_env = ["LB_RESOURCE_GROUP", "LB_NAME", "LB_POOL", "LB_NIC", "LB_IP_CONFIG"]:
+# [protect] enter = ["/usr/local/lib/sefwd/lb-pool.sh", "leave"]
+#           leave = ["/usr/local/lib/sefwd/lb-pool.sh", "join"]
+#           at = "notbefore - 2m"
+# Once per hold of this VM (overlapping events: one leave, one join after the last ended).
 # Idempotent: leaving a pool twice or joining twice changes nothing.
 set -eu
 case "${1:-}" in

@@ -1,8 +1,9 @@
 #!/bin/sh
 # sefwd hook recipe: stop a service gracefully before maintenance, within the time left.
-# [approval] hook_env = ["SERVICE"]
-# [approval.hooks] scheduled = { command = ["/usr/local/lib/sefwd/service-stop.sh"], at = "notbefore - 1m" }
-#                  completed = "systemctl start \"$SERVICE\""
+# [protect] enter = ["/usr/local/lib/sefwd/service-stop.sh"]
+#           leave = "systemctl start \"$SERVICE\""
+#           at = "notbefore - 1m"
+#           hook_env = ["SERVICE"]
 # systemctl stop waits for the unit's own stop timeout; `timeout` bounds it by SEFWD_SECONDS_LEFT
 # (the agent would stop the hook then anyway, but the unit then is left stopping, not stopped).
 set -eu

@@ -19,6 +19,7 @@ from typing import Any
 
 from forwarder.approval.config import parse_approval
 from forwarder.approval.settings import ApprovalConfig
+from forwarder.protect.settings import ProtectConfig, parse_protect
 from forwarder.common.connection_strings import appinsights_problems
 from forwarder.delivery.filters import RecordFilter, filter_for
 from forwarder.errors import ConfigError
@@ -174,6 +175,7 @@ class Config:
     approval: ApprovalConfig = ApprovalConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     probe: ProbeConfig = ProbeConfig()
+    protect: ProtectConfig | None = None  # [protect]: this VM's hold (forwarder.protect); None: not configured
 
 
 # -- value parsers: raw TOML value or env string -> parsed value, or ValueError ------------------
@@ -362,7 +364,7 @@ ORDERED_KEYS: tuple[tuple[str, str, str, Callable[[Any], str]], ...] = (
 )
 MAX_SINK_AGE = 365 * DAY
 # Nested tables with their own parsers, beside the flat SECTIONS.
-_NESTED = ("sinks", "approval")
+_NESTED = ("sinks", "approval", "protect")
 _TOP_LEVEL = (*SECTIONS, *_NESTED)
 
 
@@ -617,7 +619,9 @@ def parse_config(
     base_dir = Path(source).absolute().parent if source != DEFAULTS_SOURCE else None
     parsed = _parse_sections(data, env, base_dir, problems)
     sinks = _parse_sinks(data, check_sinks, problems)
-    approval, approval_problems = parse_approval(data.get("approval", {}), env, base_dir)
+    protect, protect_problems = parse_protect(data.get("protect"), env)
+    problems.extend(protect_problems)
+    approval, approval_problems = parse_approval(data.get("approval", {}), env, base_dir, protect="protect" in data)
     problems.extend(approval_problems)
     problems.extend(_telemetry_problems(parsed["telemetry"], env))
     try:
@@ -637,6 +641,7 @@ def parse_config(
         approval=approval,
         telemetry=TelemetryConfig(**parsed["telemetry"]),
         probe=ProbeConfig(**parsed["probe"]),
+        protect=protect,
     )
 
 
@@ -739,6 +744,19 @@ def _sink_option_texts(sink: SinkConfig, env: Mapping[str, str] | None = None) -
     return texts
 
 
+def _hook_scope_notes(config: Config) -> list[str]:
+    """[protect] in one line, and which per-change hooks run only for this VM's events (the default)."""
+    from forwarder.protect.settings import describe as describe_protect
+
+    lines = []
+    own = [kind for kind, spec in config.approval.hooks.items() if spec.affects_this_vm]
+    if own:
+        lines.append(f"  hooks {', '.join(own)} run only for events whose Resources name this VM (or name none): "
+                     "affects_this_vm = true, the default; set affects_this_vm = false on a hook to run it for "
+                     "every VM's events")
+    return lines + ([describe_protect(config.protect)] if config.protect is not None else [])
+
+
 def describe(config: Config) -> str:
     """A short human summary of ``config`` for ``sefwd config check`` (secrets redacted)."""
     imds, agent = config.imds, config.agent
@@ -773,6 +791,7 @@ def describe(config: Config) -> str:
         f"hooks: {', '.join(approval.hooks) or 'none'}, callback: {listen}"
         + (", DRY RUN (nothing is performed)" if approval.dry_run else "")
     )
+    lines.extend(_hook_scope_notes(config))
     telemetry = config.telemetry
     if telemetry.enabled:
         where = f"{telemetry.listen[0]}:{telemetry.listen[1]}" if telemetry.listen else "off"

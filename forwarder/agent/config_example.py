@@ -157,11 +157,11 @@ SINKS_DOC = (
     "Without any [[sinks]] the agent writes to stdout; relative paths in sink options are resolved by the sink, "
     "not by this file's location. The sinks below stdout and file are commented out: uncomment one and fill "
     "in its required keys. No sink option has an environment override. Any sink may have a \"filter\" table: "
-    "record_types (scheduledevent, approval, forwarder, or exact types such as approval.refused), changes "
+    "record_types (scheduledevent, approval, protect, forwarder, or exact types such as approval.refused), changes "
     "(scheduled, started, updated, completed, canceled, ended), event_types (Reboot, Redeploy, Freeze, Preempt, "
     "Terminate, SpotRebalanceRecommendation) and affects_this_vm (true/false); a record is sent only if it matches every key set (the last "
     "three judge scheduled-event records only). Held-back records advance the sink's cursor and are counted in "
-    "sefwd status. The notify sink defaults to record_types = [\"scheduledevent\", \"approval\", "
+    "sefwd status. The notify sink defaults to record_types = [\"scheduledevent\", \"approval\", \"protect\", "
     "\"forwarder.stopped\", \"forwarder.data_lost\"]; filter = {} sends it everything."
 )
 
@@ -256,13 +256,15 @@ HOOKS_DOC = (
     "SEFWD_EVENT_RESOURCES, SEFWD_EVENT_NOT_BEFORE, SEFWD_EVENT_DURATION, SEFWD_EVENT_DESCRIPTION, "
     "SEFWD_CHANGE, SEFWD_AFFECTS_THIS_VM, SEFWD_RECORD_ID and SEFWD_RECORD_TYPE; its time is in SEFWD_DEADLINE "
     "(RFC 3339) and SEFWD_SECONDS_LEFT. A table sets when and for which events: command, at "
-    "(\"notbefore - 2m\": not earlier than that; at once when the notice is shorter) and event_types. Hooks for "
-    "completed, canceled and ended are undo hooks: they run to completion once per event, again after a crash."
+    "(\"notbefore - 2m\": not earlier than that; at once when the notice is shorter), event_types and "
+    "affects_this_vm (default true: only events whose Resources name this VM, or name none; false: every VM's). "
+    "Hooks for completed, canceled and ended are undo hooks: they run to completion once per event, again after "
+    "a crash. To take this VM out of service and back, use [protect] above (one drain per hold, however many "
+    "events overlap); these per-change hooks are for notifications and the like."
 )
 HOOKS_EXAMPLE: dict[str, Any] = {
-    "scheduled": {"command": ["/usr/local/bin/drain.sh", "--graceful"], "at": "notbefore - 2m",
-                  "event_types": ["Reboot", "Redeploy", "Preempt"]},
-    "completed": "/usr/local/bin/undrain.sh",
+    "scheduled": {"command": ["/usr/local/bin/tell-the-team.sh"], "event_types": ["Reboot", "Redeploy", "Preempt"]},
+    "completed": {"command": "/usr/local/bin/tell-the-team.sh", "affects_this_vm": False},
 }
 RULES_DOC = (
     "Rules: the first that matches an event decides; without rules nothing is approved automatically (events "
@@ -394,6 +396,42 @@ def _sinks() -> list[str]:
     return out
 
 
+PROTECT_DOC = (
+    "This VM's hold (off unless this table exists; docs/approvals.md#protect-this-vm): while events of "
+    "event_types name this VM in Resources (or name none), it is held: enter runs once (not earlier than "
+    "NotBefore - at; it must be over deadline_margin before NotBefore), and leave runs once after the last of "
+    "them ended and settle passed, never before enter is over, never for a hold whose enter never ran. "
+    "Overlapping events make one hold. Both run again after a crash (make them idempotent, as the "
+    "deploy/hooks recipes are), with SEFWD_TRANSITION, SEFWD_HOLD_ID, SEFWD_HOLD_EVENTS, SEFWD_HOLD_DIR (a "
+    "directory to note what enter did, so leave undoes only that), SEFWD_DEADLINE and SEFWD_SECONDS_LEFT. "
+    "An approval rule with after_hooks = true waits for enter. Records: protect.entered, protect.left, "
+    "protect.missed (a failed or late drain, an event that started first, a failed leave). Environment: "
+    "SEFWD_PROTECT_AT, SEFWD_PROTECT_SETTLE, SEFWD_PROTECT_DEADLINE_MARGIN and SEFWD_PROTECT_TIMEOUT override "
+    "those keys (the commands come from this file only)."
+)
+PROTECT_EXAMPLE: dict[str, Any] = {
+    "enter": ["/usr/local/lib/sefwd/k8s-drain.sh"],
+    "leave": ["/usr/local/lib/sefwd/k8s-uncordon.sh"],
+    "at": "notbefore - 5m",
+    "event_types": ["Reboot", "Redeploy", "Preempt", "Terminate"],
+    "settle": "30s",
+    "deadline_margin": "5s",
+    "timeout": "1h",
+    "hook_env": ["KUBECONFIG", "NODE_NAME"],
+}
+
+
+def _protect() -> list[str]:
+    from forwarder.protect.settings import PROTECT_KEYS, parse_protect
+
+    _checked("[protect]", PROTECT_KEYS, PROTECT_EXAMPLE)
+    if parse_protect(PROTECT_EXAMPLE)[1]:
+        raise ValueError(f"the [protect] example is invalid: {parse_protect(PROTECT_EXAMPLE)[1]}")
+    out = [""] + _comment(PROTECT_DOC) + ["# [protect]"]
+    out += [f"# {key} = {toml_value(value)}" for key, value in PROTECT_EXAMPLE.items()]
+    return out
+
+
 def _approval() -> list[str]:
     from forwarder.approval.config import APPROVAL_ENV_KEYS, APPROVAL_KEYS, CALLBACK_KEYS, ENV_PREFIX, RULE_KEYS
     from forwarder.approval.settings import CHANGE_KINDS
@@ -437,7 +475,7 @@ def render() -> str:
     lines: list[str] = []
     for i, paragraph in enumerate(HEADER.split("\n|\n")):
         lines += (["#"] if i else []) + _comment(paragraph.replace("\n", " "))
-    lines += _sections() + _sinks() + _approval()
+    lines += _sections() + _sinks() + _protect() + _approval()
     return "\n".join(lines) + "\n"
 
 

@@ -123,6 +123,11 @@ def relevant_events(document: Document | None, vm: VmIdentity, policy: Maintenan
 
 
 def affects(vm: VmIdentity, event: Event) -> bool | None:
+    """Whether the event is this VM's: its Resources name this VM, or name none (an event for nobody in
+    particular is everyone's); None when the VM does not know its own name. The hold (forwarder.protect)
+    uses the same answer, so the probe and the drain agree."""
+    if not event.resources:
+        return True
     return vm.affected_by(event.resources)
 
 

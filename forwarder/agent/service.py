@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # imported at run time only when approvals are configured
     from forwarder.approval.refusals import RefusalAggregator
     from forwarder.agent.probe import Maintenance
     from forwarder.agent.maintenance import MaintenanceTracker, MaintenanceView
+    from forwarder.protect.runtime import Protection
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class Agent:
         self.waiting_since: datetime | None = None  # until IMDS first answered (status: "waiting for IMDS")
         self.maintenance: Maintenance | None = None  # [probe] or telemetry: forwarder.agent.probe
         self.imds: ImdsClient | None = None
+        self.protection: Protection | None = None  # [protect]: this VM's hold (forwarder.protect)
 
     def waiting_message(self) -> str:
         imds = self.config.imds
@@ -157,6 +159,9 @@ class Agent:
         # approvals a crash left posting, resolved by asking IMDS).
         planner = Planner(ap, lambda: poller.factory.vm, store)
         poller.plan = planner.plan
+        if self.protection is not None:  # the hold is planned first; an approval after hooks waits for its enter
+            planner.gate_for = self.protection.gate_for
+            poller.plan = self.protection.chain(planner.plan)
         if poller.current is not None:  # resumed: the saved document may hold events never acted on
             document = poller.current
             planner.reconsider(document, lambda change: poller.factory.preview(change, document), store.approved)
@@ -166,6 +171,14 @@ class Agent:
                                     on_outcome=self.telemetry.action_finished).start()
         poller.on_changes = self.actions.wake
         poller.on_checked = self.actions.checked  # recovered rows run after the first poll checked them
+        if self.protection is not None:
+            wake_actions, wake_hold = self.actions.wake, self.protection.wake
+
+            def wake_both(*args: object) -> None:
+                wake_hold()
+                wake_actions()
+
+            poller.on_changes = wake_both
         # Its own IMDS client: approvals run on other threads, and a client's pooled connections are not shared.
         client = ImdsClient.from_config(self.config.imds, stop=self.stop)
         self.approver = approver = Approver(ap, client, lambda: poller.factory.vm, poller.submit_audit,
@@ -216,6 +229,8 @@ class Agent:
             "outbox_errors": st.outbox_errors,
             "bad_audits": st.bad_audits,
         }
+        if self.protection is not None:
+            data["protect"] = self.protection.status()
         if self.maintenance is not None and self.config.probe.enabled:
             view = self.maintenance.tracker.view().as_dict()
             del view["seconds_left"]  # "until" says it, and the report is rewritten only when something changes
@@ -321,7 +336,19 @@ class Agent:
                 )
                 # A loss found at start (self.loss) is announced by the poller's first turn: its
                 # forwarder.data_lost record waits in the store's inbox until it commits.
+                if cfg.protect is not None:
+                    from forwarder.protect.runtime import Protection
+
+                    protection = self.protection = Protection(
+                        cfg.protect, store, lambda: poller.factory.vm, self.stop, state_dir=cfg.state.dir,
+                        dry_run=cfg.approval.dry_run, output_limit=cfg.approval.hook_output_limit,
+                        env_allow=cfg.approval.hook_env)
+                    protection.reconcile(poller.current)  # the hold the saved document calls for
+                    poller.plan = protection.chain(None)
+                    poller.on_changes = protection.wake
                 self._start_approvals(poller, store)
+                if self.protection is not None:  # after the action runner's recovery of running rows
+                    self.protection.start()
                 reporter = StatusReporter(store, lambda: self.snapshot(dispatcher, poller), self.stop,
                                           interval=cfg.agent.status_interval)
                 reporter.write()
@@ -352,6 +379,8 @@ class Agent:
                     self.refusals.flush(force=True)
                 if self.actions is not None:  # hooks terminated, their rows left to run again at the next start
                     self.actions.close()
+                if self.protection is not None:  # (stop is set: a running transition is cut, to run again)
+                    self.protection.close()
                 poller.drain_inbox()
                 # Stopping: the stopped record must still get out, so do not let `stop` abort it.
                 poller.emit_lifecycle("stopped", Reason="shutdown", UptimeSeconds=poller.heartbeat_data()["UptimeSeconds"])
@@ -364,6 +393,9 @@ class Agent:
                 if self.actions is not None:
                     self.stop.set()
                     self.actions.close()
+                if self.protection is not None:
+                    self.stop.set()
+                    self.protection.close()
                 if self.approver is not None:
                     self.approver.imds.close()
                 dispatcher.close(cfg.agent.drain_timeout)

@@ -250,6 +250,11 @@ def format_status(s: dict[str, Any]) -> str:
             lines.append(f"maintenance probe: {probe.get('state') or '-'}" + (
                 f" ({probe.get('EventType') or '-'} {probe.get('EventId')} {probe.get('EventStatus') or '-'}, until "
                 f"{probe.get('until') or 'it ends'})" if probe.get("EventId") else ""))
+        hold = agent.get("protect")
+        if isinstance(hold, dict):  # [protect]: this VM's hold (forwarder.protect.hold.status)
+            lines.append(f"protect: {hold.get('state')}" + (
+                f" (hold {hold.get('hold')} for {', '.join(hold.get('EventIds') or hold.get('AllEventIds') or [])}; "
+                f"enter {hold.get('enter')}, leave {hold.get('leave') or 'not yet'})" if hold.get("state") != "serving" else ""))
         st = agent.get("store", {})
         if st:
             lines.append(f"store: {st.get('path', '')}, {st.get('size_bytes', 0)} bytes of records, "

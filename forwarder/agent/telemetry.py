@@ -526,6 +526,9 @@ class Telemetry:
 
         # Notice lead and approval lead per event type (docs/notice-window.md).
         self._notice = NoticeWindow(meter)
+        from forwarder.protect.metrics import ProtectMetrics
+
+        self._protect = ProtectMetrics(meter)  # drain slack, held, missed: from the protect.* records
 
     def _snapshot(self) -> Mapping[str, Any]:
         if self._snapshot_fn is None:
@@ -590,6 +593,8 @@ class Telemetry:
             self._records.add(1, {"type": record.type})
             if record.type.startswith("approval."):
                 self._approvals.add(1, {"outcome": record.type.partition(".")[2]})
+            elif record.type.startswith("protect."):
+                self._protect.observe(record)
         self._notice.observe(records)
 
     # -- endpoint --

@@ -26,7 +26,7 @@ RULE_KEYS = (
     "name", "event_type", "event_types", "event_source", "event_status", "duration_min", "duration_max",
     "affects_this_vm", "resources_min", "resources_max", "description", "action", "delay", "after_hooks", "at",
 )
-HOOK_KEYS = ("command", "at", "event_types")
+HOOK_KEYS = ("command", "at", "event_types", "affects_this_vm")
 MAX_WORKERS = 256
 _AT = re.compile(r"^\s*notbefore\s*(?:-\s*(?P<before>\S.*?))?\s*$", re.IGNORECASE)
 CALLBACK_KEYS = (
@@ -135,7 +135,8 @@ def _parse_rule(index: int, entry: Any, have_hooks: bool, problems: list[str]) -
             if key in entry:
                 problems.append(f"{where}.{key}: only allowed with action = \"approve\" (this rule says {values['action']!r})")
     if values.get("after_hooks") and not have_hooks:
-        problems.append(f"{where}.after_hooks: true, but [approval.hooks] configures no command to wait for")
+        problems.append(f"{where}.after_hooks: true, but [approval.hooks] configures no command to wait for "
+                        "(and there is no [protect] enter)")
     if len(problems) > before:
         return None
     return Rule(name=name.strip(), **values)
@@ -176,7 +177,8 @@ def _parse_command(command: Any, where: str, problems: list[str]) -> tuple[str, 
     return None
 
 
-_HOOK_PARSERS: dict[str, Callable[[Any], Any]] = {"at": parse_at, "event_types": _strings("event_type")}
+_HOOK_PARSERS: dict[str, Callable[[Any], Any]] = {"at": parse_at, "event_types": _strings("event_type"),
+                                                  "affects_this_vm": boolean}
 
 
 def _parse_hook(kind: str, raw: Any, problems: list[str]) -> HookSpec | None:
@@ -355,7 +357,7 @@ _FLAT_PARSERS: dict[str, Callable[[Any], Any]] = {
 
 
 def parse_approval(
-    raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None
+    raw: Mapping[str, Any], env: Mapping[str, str], base_dir: Path | None, *, protect: bool = False
 ) -> tuple[ApprovalConfig, list[str]]:
     """Validate the ``[approval]`` table plus ``SEFWD_APPROVAL_*`` overrides; returns (config, problems).
 
@@ -381,7 +383,8 @@ def parse_approval(
     values = parse_labelled(_FLAT_PARSERS, flat, problems)
     hooks = _parse_hooks(raw["hooks"], problems) if "hooks" in raw else {}
     # An invalid [approval.hooks] is reported on its own; do not pile after_hooks problems on it.
-    have_hooks = bool(hooks) or bool(raw.get("hooks"))
+    # ([protect]'s enter is what after_hooks waits for, when it is configured)
+    have_hooks = bool(hooks) or bool(raw.get("hooks")) or protect
     rules = _parse_rules(raw["rules"], have_hooks, problems) if "rules" in raw else ()
     callback = _parse_callback(raw["callback"], env, base_dir, problems) if "callback" in raw else None
     hook_env = _parse_hook_env(raw["hook_env"], problems) if "hook_env" in raw else ()

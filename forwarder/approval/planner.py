@@ -70,6 +70,9 @@ class Planner:
         self.store = store
         self.clock = clock
         self._entries: list[dict[str, Any]] | None = None  # collected by plan(); None: queued in the inbox
+        # With [protect]: the enter action of this VM's hold holding the event (None: the event is not
+        # held), planned earlier in the same transaction; an approval after hooks waits for it.
+        self.gate_for: Callable[[sqlite3.Connection, Event], int | None] | None = None
 
     # -- the poller's transaction ------------------------------------------------------------
     def plan(self, c: sqlite3.Connection, changes: Sequence[Change], records: Sequence[Record],
@@ -121,6 +124,10 @@ class Planner:
                            only_from=(rows.PLANNED, rows.DUE)):
                 self._queue(c, action_audit(SUPERSEDED, reason, old, state=rows.SUPERSEDED))
                 gone.append(old)
+                if old.kind == HOOK and reason == "event_started":
+                    # It started (approved elsewhere, or the platform did not wait) before this hook ran.
+                    log.warning("%s started before its %s hook (action %d) ran: the hook will not run",
+                                event_id, old.hook, old.id)
         return gone
 
     def _insert(self, c: sqlite3.Connection, action: NewAction, now: float) -> int:
@@ -135,15 +142,23 @@ class Planner:
         event = change.event
         if spec.event_types is not None and event.event_type not in spec.event_types:
             return None
+        if spec.affects_this_vm and event.resources and self.vm().affected_by(event.resources) is False:
+            return None  # another VM's event (an unknown own name, or Resources naming none, counts as ours)
         kind = UNDO if name in UNDO_KINDS else HOOK
         if kind == UNDO and c.execute("SELECT 1 FROM actions WHERE kind = ? AND event_id = ? AND hook = ?",
                                       (UNDO, event.event_id, name)).fetchone():
             return None  # an undo runs once per event
         deadline = event.not_before.timestamp() if kind == HOOK and event.not_before and not event.started else None
+        # One event's hooks run in order: an undo (or a re-planned hook) waits for a drain still running,
+        # so an event canceled during its drain is undone after it, never before; and an approval after
+        # the newest hook waits for the older one too.
+        before = c.execute("SELECT id FROM actions WHERE kind = ? AND event_id = ? AND state IN (?, ?, ?) "
+                           "ORDER BY id DESC LIMIT 1", (HOOK, event.event_id, *rows.OPEN_STATES)).fetchone()
         return self._insert(c, NewAction(
             kind=kind, event_id=event.event_id, change=change.kind, event=dict(event.raw),
             due=hook_due(spec, event, now) if kind == HOOK else now, deadline=deadline, hook=name,
-            incarnation=document.incarnation, record=record, dry_run=self.config.dry_run), now)
+            incarnation=document.incarnation, record=record, after=int(before[0]) if before else None,
+            dry_run=self.config.dry_run), now)
 
     def _plan_policy(self, c: sqlite3.Connection, change: Change, record: Mapping[str, Any], document: Document,
                      now: float, gate: int | None, *, reconsidering: bool = False) -> None:
@@ -159,6 +174,9 @@ class Planner:
         if decision.action != APPROVE:
             return
         rule = next(r for r in self.config.rules if r.name == decision.rule)
+        if decision.after_hooks and self.gate_for is not None:
+            held = self.gate_for(c, event)
+            gate = held if held is not None else gate
         if decision.after_hooks and gate is None:
             last = c.execute("SELECT id FROM actions WHERE kind = ? AND event_id = ? AND state != ? ORDER BY id DESC "
                              "LIMIT 1", (HOOK, event.event_id, rows.SUPERSEDED)).fetchone()
@@ -186,13 +204,16 @@ class Planner:
             for event in document.events:
                 if event.status != "Scheduled" or approved(event.event_id):
                     continue
-                if c.execute("SELECT 1 FROM actions WHERE event_id = ?", (event.event_id,)).fetchone():
+                # (rows a dry run left do not count for a live run: the event is planned afresh)
+                if c.execute("SELECT 1 FROM actions WHERE event_id = ? AND dry_run = ?",
+                             (event.event_id, int(self.config.dry_run))).fetchone():
                     continue
                 change = Change(SCHEDULED, event, None, initial=True)
                 rec = record(change).to_dict()
                 decision = decide(self.config.rules, event, self.vm())
                 gate = None
                 spec = self.config.hooks.get(SCHEDULED)
-                if decision.action == APPROVE and decision.after_hooks and spec is not None:
+                held = self.gate_for(c, event) if self.gate_for is not None else None
+                if decision.action == APPROVE and decision.after_hooks and spec is not None and held is None:
                     gate = self._plan_hook(c, SCHEDULED, spec, change, rec, document, now)
                 self._plan_policy(c, change, rec, document, now, gate, reconsidering=True)

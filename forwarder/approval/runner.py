@@ -100,7 +100,8 @@ class ActionRunner:
         # Left running by a previous process: due again, so that the first poll's planner can supersede
         # them when their event changed or left meanwhile; but an approval that may have been posted
         # stays running until that poll is committed (then it is due, and IMDS says what happened).
-        left = rows.left_running(self.store)
+        # (a hold's enter/leave is not ours: forwarder.protect recovers it, stopping what is still running)
+        left = [a for a in rows.left_running(self.store) if a.kind in rows.WORKER_KINDS]
         self._posting_left = [a.id for a in left if a.phase == POSTING]
         rows.make_due(self.store, [a.id for a in left if a.phase != POSTING], self.clock())
         if left:

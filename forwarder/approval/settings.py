@@ -31,6 +31,8 @@ class HookSpec:
     command: tuple[str, ...] | str  # argv (run directly) or a shell string (/bin/sh -c)
     at: float | None = None  # seconds before NotBefore: not earlier than NotBefore - at
     event_types: tuple[str, ...] | None = None
+    # Only for events whose Resources name this VM (or name none): another VM's reboot is not ours to act on.
+    affects_this_vm: bool = True
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 A sink's ``filter`` table sets any of four keys; a record is sent only when it matches every key set:
 
-- ``record_types``: record families (``scheduledevent``, ``approval``, ``forwarder``) or exact record
-  types (``approval.refused``, ``forwarder.data_lost``, ``scheduledevent.scheduled``).
+- ``record_types``: record families (``scheduledevent``, ``approval``, ``protect``, ``forwarder``) or exact
+  record types (``approval.refused``, ``protect.missed``, ``forwarder.data_lost``, ``scheduledevent.scheduled``).
 - ``changes``: scheduled-event changes (``scheduled``, ``started``, ``updated``, ``completed``,
   ``canceled``, ``ended``).
 - ``event_types``: IMDS EventTypes (``Reboot``, ``Redeploy``, ``Freeze``, ``Preempt``, ``Terminate``).
@@ -21,22 +21,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from forwarder.approval.settings import OUTCOMES as APPROVAL_OUTCOMES
 from forwarder.approval.config import KNOWN_VALUES
 from forwarder.common.values import suggest
 from forwarder.imds.differ import KINDS
-from forwarder.records import EVENT_TYPE_PREFIX, LIFECYCLE_TYPES
+from forwarder.record_types import EVENT_TYPE_PREFIX, RECORD_TYPES, SCHEDULED_EVENT
 from forwarder.sinkapi import Record
 
 FILTER_KEYS = ("record_types", "changes", "event_types", "affects_this_vm")
-SCHEDULED_EVENT = EVENT_TYPE_PREFIX.rstrip(".")
-RECORD_FAMILIES = (SCHEDULED_EVENT, "approval", "forwarder")
-RECORD_TYPES = (
-    *RECORD_FAMILIES,
-    *(EVENT_TYPE_PREFIX + kind for kind in KINDS),
-    *(f"approval.{outcome}" for outcome in APPROVAL_OUTCOMES),
-    *LIFECYCLE_TYPES,
-)
+# (RECORD_TYPES: the one list of forwarder.record_types, which the record factory uses too)
 EVENT_TYPES = KNOWN_VALUES["event_type"]
 # Why a record was held back (status, metrics): the key that did not match.
 REASONS = {"record_types": "record_type", "changes": "change", "event_types": "event_type",
@@ -44,7 +36,7 @@ REASONS = {"record_types": "record_type", "changes": "change", "event_types": "e
 # Sinks that read best with a narrower default than "everything" (an explicit `filter = {}` sends all).
 # People do not want a heartbeat every few minutes in a chat channel.
 DEFAULT_FILTERS: dict[str, Mapping[str, Any]] = {
-    "notify": {"record_types": [SCHEDULED_EVENT, "approval", "forwarder.stopped", "forwarder.data_lost"]},
+    "notify": {"record_types": [SCHEDULED_EVENT, "approval", "protect", "forwarder.stopped", "forwarder.data_lost"]},
 }
 
 

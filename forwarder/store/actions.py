@@ -23,7 +23,10 @@ if TYPE_CHECKING:
     from forwarder.store.database import Store
 
 HOOK, APPROVE, UNDO = "hook", "approve", "undo"
-KINDS = (HOOK, APPROVE, UNDO)
+# This VM's hold (forwarder.protect): its way out of service and back, run by the hold's own worker.
+ENTER, LEAVE = "enter", "leave"
+KINDS = (HOOK, APPROVE, UNDO, ENTER, LEAVE)
+WORKER_KINDS = (HOOK, APPROVE, UNDO)  # what the approval workers take (never a hold's transition)
 PLANNED, DUE, RUNNING = "planned", "due", "running"
 DONE, FAILED, SUPERSEDED, SKIPPED = "done", "failed", "superseded", "skipped"
 OPEN_STATES = (PLANNED, DUE, RUNNING)
@@ -34,7 +37,7 @@ POSTING = "posting"  # an approval's phase once its POST may have left
 ACTIONS_SCHEMA = """
 CREATE TABLE IF NOT EXISTS actions(
     id INTEGER PRIMARY KEY AUTOINCREMENT,
-    kind TEXT NOT NULL,                 -- hook | approve | undo
+    kind TEXT NOT NULL,                 -- hook | approve | undo | enter | leave
     event_id TEXT NOT NULL,
     change TEXT NOT NULL,               -- the change kind it was planned for
     hook TEXT,                          -- hook, undo: the [approval.hooks] key it runs
@@ -181,10 +184,12 @@ def promote(store: Store, now: float) -> int:
             f"(after IS NULL OR after IN (SELECT id FROM actions WHERE state IN ({finals})))", (now, now)).rowcount
 
 
-def claim(store: Store, now: float) -> Action | None:
-    """Take the oldest due row: it is ``running`` (committed) when this returns."""
+def claim(store: Store, now: float, kinds: tuple[str, ...] = WORKER_KINDS) -> Action | None:
+    """Take the oldest due row of ``kinds``: it is ``running`` (committed) when this returns."""
+    marks = ",".join("?" * len(kinds))
     with store.transaction() as c:
-        row = c.execute(_SELECT + " WHERE state = 'due' ORDER BY due, id LIMIT 1").fetchone()
+        row = c.execute(_SELECT + f" WHERE state = 'due' AND kind IN ({marks}) ORDER BY due, id LIMIT 1",
+                        kinds).fetchone()
         if row is None:
             return None
         c.execute("UPDATE actions SET state = 'running', attempts = attempts + 1, updated = ? WHERE id = ?",

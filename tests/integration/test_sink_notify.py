@@ -316,7 +316,7 @@ def test_config_check_lists_every_problem_at_once_and_show_hides_the_urls(tmp_pa
                           capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TIiajkdnlazkcOXrIdevi7FQ" not in done.stdout + done.stderr
-    assert "filter: record_types=approval,forwarder.data_lost,forwarder.stopped,scheduledevent" in done.stdout
+    assert "filter: record_types=approval,forwarder.data_lost,forwarder.stopped,protect,scheduledevent" in done.stdout
 
 
 def test_urls_from_an_environment_variable_or_a_file(peer, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from forwarder.record_types import RECORD_TYPES
 from forwarder.agent.config import describe, parse_config
 from forwarder.delivery.filters import RecordFilter, parse_filter
 from forwarder.errors import ConfigError
@@ -27,10 +28,7 @@ def test_every_problem_of_every_filter_is_listed_at_once():
     assert problems == [
         "sinks[0] (stdout): unknown key filter.kinds (known: record_types, changes, event_types, affects_this_vm)",
         "sinks[0] (stdout): filter.record_types: unknown name 'approvals' (did you mean 'approval'?) (known: "
-        "scheduledevent, approval, forwarder, scheduledevent.scheduled, scheduledevent.started, "
-        "scheduledevent.updated, scheduledevent.completed, scheduledevent.canceled, scheduledevent.ended, "
-        "approval.approved, approval.refused, approval.failed, approval.held, forwarder.started, "
-        "forwarder.heartbeat, forwarder.stopped, forwarder.data_lost)",
+        f"{', '.join(RECORD_TYPES)})",
         "sinks[0] (stdout): filter.changes: unknown name 'sheduled' (did you mean 'scheduled'?) (known: scheduled, "
         "started, updated, completed, canceled, ended)",
         "sinks[0] (stdout): filter.changes: expected non-empty strings, got 3",
