@@ -16,18 +16,20 @@ import azure.functions as func
 
 from outputs import output_from_env
 from reconcile import DEFAULT_MISSED_AFTER, Reconciler
-from reconcile_state import SqliteState
+from reconcile_state import state_from_env
 
 app = func.FunctionApp()
 
 
 @functools.lru_cache(maxsize=1)
 def get_reconciler() -> Reconciler:
-    """One per worker process. State: RECONCILE_STATE_PATH (SQLite: one instance; see reconcile_state)."""
+    """One per worker process. State: STATE_BACKEND (``sqlite``: RECONCILE_STATE_PATH, one instance;
+    ``table``: Azure Table Storage, any number; see reconcile_state.state_from_env)."""
     settings = os.environ
-    state = SqliteState(settings.get("RECONCILE_STATE_PATH", "/tmp/sefwd-platform-events.db"))
+    state = state_from_env(settings)
     missed_after = float(settings.get("MISSED_AFTER_SECONDS", DEFAULT_MISSED_AFTER))
-    return Reconciler(state, output_from_env(settings), missed_after=missed_after, verify=verifier(settings))
+    return Reconciler(state, output_from_env(settings), missed_after=missed_after, verify=verifier(settings),
+                      recheck=state.lease)
 
 
 def verifier(settings: Mapping[str, str]) -> Callable[[Mapping[str, Any]], bool] | None:

@@ -13,6 +13,7 @@ approver uses it for its replay claims, de-duplication keys and outcome folds). 
                          #   settled one older than ``retention``, is taken over (conditional on its ETag).
     claims.settle(key)   # acted on for good (kept ``retention`` seconds)
     claims.release(key)  # forget it (a transient failure: the next copy tries again); only if still ours
+    claims.status(key)   # "pending", "settled" or None (never claimed, released, or settled too long ago)
     folds = state.folds("outcome")
     folds.fold(key, value, rank)  # -> (strongest value, changed?): keeps the value of highest rank
     state.close()
@@ -123,6 +124,19 @@ class TableClaims:
             except (ResourceModifiedError, ResourceNotFoundError):
                 return False
         return False
+
+    def status(self, key: str) -> str | None:
+        """PENDING or SETTLED while the claim holds (a settled one for ``retention``), else None."""
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            current = self._table.get_entity(*_address(self.namespace, key))
+        except ResourceNotFoundError:
+            return None
+        state = current.get("State")
+        if state == SETTLED and self._clock() - float(current.get("At") or 0) >= self.retention:
+            return None
+        return str(state) if state in (PENDING, SETTLED) else None
 
     def settle(self, key: str) -> None:
         from azure.data.tables import UpdateMode

@@ -1,0 +1,1 @@
+../shared/fleet_state.py
