@@ -226,13 +226,19 @@ class Reconciler:
         when = event["time"].timestamp()
 
         def merge(view: dict[str, Any] | None) -> dict[str, Any]:
-            names = list(dict.fromkeys([*(view or {}).get("resources", []), *event["resources"]]))
+            old = view or {}
+            names = list(dict.fromkeys([*old.get("resources", []), *event["resources"]]))
+            # Event Grid does not keep order (and a delivery can be retried late): the newest status wins.
+            latest = view is None or when >= old.get("status_time", old.get("first_time", when))
             return {
-                "first_time": min(when, (view or {}).get("first_time", when)), "status": props.get("EventStatus"),
-                "resources": names, "resource": event["resource"], "type": props.get("EventType"),
-                "vm_ids": vm_resource_ids(event["resource"], names), "not_before": props.get("NotBefore") or "",
+                "first_time": min(when, old.get("first_time", when)), "resources": names,
+                "resource": event["resource"], "type": props.get("EventType"),
+                "vm_ids": vm_resource_ids(event["resource"], names),
+                "status": props.get("EventStatus") if latest else old.get("status"),
+                "not_before": (props.get("NotBefore") or "") if latest else old.get("not_before", ""),
+                "status_time": when if latest else old.get("status_time", when),
                 # The delivery that created the view (its retry is still the event's first record).
-                "created_by": (view or {}).get("created_by", grid_id),
+                "created_by": old.get("created_by", grid_id),
             }
         # The view is written before any report is read (and a report before the view is read), so of
         # two instances handling both at once, at least one sees the other's.
