@@ -12,9 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ import pytest
 
 from benchmarks.peers.approval_receiver import ApprovalReceiver
 from benchmarks.peers.azurite_peer import AzuritePeer
+from tests.azurite import PYTESTMARK, azurite, table_name  # noqa: F401  (azurite: a fixture)
 from tests.fleet import APP_DIR, MASTER_SECRET, callback_secret, record
 
 sys.path.insert(0, str(APP_DIR.parent / "shared"))
@@ -30,22 +29,7 @@ import pipeline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "benchmarks" / "approver_worker.py"
-_UNAVAILABLE = AzuritePeer.available()
-if _UNAVAILABLE is not None and os.environ.get("SEFWD_REQUIRE_PEERS"):  # CI: a missing peer is a failure
-    raise RuntimeError(f"Azurite is required here (SEFWD_REQUIRE_PEERS) but {_UNAVAILABLE}")
-pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"azurite unavailable: {_UNAVAILABLE}")]
-
-
-@pytest.fixture(scope="module")
-def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuritePeer]:
-    """Azurite's table service on a free loopback port; each test uses its own table."""
-    with AzuritePeer(log=tmp_path_factory.mktemp("azurite") / "azurite.log") as peer:
-        yield peer
-
-
-def table_name() -> str:
-    return "t" + uuid.uuid4().hex[:20]
+pytestmark = PYTESTMARK
 
 
 def state(azurite: AzuritePeer, table: str, owner: str | None = None, now: list[float] | None = None) -> Any:

@@ -12,9 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from collections import Counter
-from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ import pytest
 
 from benchmarks.peers.azurite_peer import AzuritePeer
 from benchmarks.peers.webhook_receiver import ReceivedRequest, WebhookReceiver
+from tests.azurite import PYTESTMARK, azurite, table_name  # noqa: F401  (azurite: a fixture)
 from tests.integration import test_platform_events as pe
 
 from reconcile import Reconciler  # noqa: E402  (test_platform_events put the app's directory on sys.path)
@@ -31,22 +30,7 @@ from reconcile_table import TableReconcileState  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "platform_events_worker.py"
-_UNAVAILABLE = AzuritePeer.available()
-if _UNAVAILABLE is not None and os.environ.get("SEFWD_REQUIRE_PEERS"):  # CI: a missing peer is a failure
-    raise RuntimeError(f"Azurite is required here (SEFWD_REQUIRE_PEERS) but {_UNAVAILABLE}")
-pytestmark = [pytest.mark.timeout(240),
-              pytest.mark.skipif(_UNAVAILABLE is not None, reason=f"azurite unavailable: {_UNAVAILABLE}")]
-
-
-@pytest.fixture(scope="module")
-def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AzuritePeer]:
-    """Azurite's table service on a free loopback port; each test uses its own table."""
-    with AzuritePeer(log=tmp_path_factory.mktemp("azurite") / "azurite.log") as peer:
-        yield peer
-
-
-def table_name() -> str:
-    return "t" + uuid.uuid4().hex[:20]
+pytestmark = PYTESTMARK
 
 
 def table_state(azurite: AzuritePeer, table: str, owner: str, clock: Any = time.time, lease: float = 60.0) -> TableReconcileState:
@@ -118,7 +102,7 @@ def test_settings_choose_the_backend_and_name_every_problem(tmp_path: Path, azur
         assert problem in str(info.value)
     with pytest.raises(ValueError, match="must be https://"):
         state_from_env({"STATE_BACKEND": "table", "STATE_TABLE_ENDPOINT": "http://acct.table.example"})
-    with pytest.raises(ValueError, match="STATE_BACKEND must be sqlite or table"):
+    with pytest.raises(ValueError, match="STATE_BACKEND must be one of sqlite, table"):
         state_from_env({"STATE_BACKEND": "cosmos"})
     table = state_from_env({"STATE_BACKEND": "table", "STATE_TABLE_CONNECTION": azurite.connection_string,
                             "STATE_TABLE_NAME": table_name(), "STATE_LEASE_SECONDS": "30"})
@@ -131,7 +115,7 @@ def test_settings_choose_the_backend_and_name_every_problem(tmp_path: Path, azur
 def test_reconciliation_on_the_table_matches_the_single_instance_one(azurite: AzuritePeer) -> None:
     """The single-instance scenario of test_platform_events, on a table shared by two reconcilers that
     take turns: each record once, whichever instance sees the input."""
-    clock, emitted = pe.Clock(), []
+    clock, emitted = pe.Clock(), list[dict[str, Any]]()
     table = table_name()
     one, two = (Reconciler(table_state(azurite, table, owner, clock), emitted.extend, missed_after=60.0, clock=clock)
                 for owner in ("one", "two"))
@@ -158,7 +142,7 @@ def test_reconciliation_on_the_table_matches_the_single_instance_one(azurite: Az
 
 
 def test_a_failed_output_releases_the_decisions_and_the_retry_makes_them(azurite: AzuritePeer) -> None:
-    clock, sent, failing = pe.Clock(), [], [True]
+    clock, sent, failing = pe.Clock(), list[dict[str, Any]](), [True]
 
     def emit(records: list[dict[str, Any]]) -> None:
         if failing[0]:

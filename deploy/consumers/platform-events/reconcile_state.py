@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sqlite3
 import threading
 import time
@@ -200,10 +199,11 @@ def state_from_env(settings: Mapping[str, str]) -> ReconcileState:
     ``STATE_LEASE_SECONDS``: how long a decision held by an instance that died waits for a takeover.
     Every problem is named at once; the connection string never appears in an error.
     """
+    from reconcile_table import fleet_state  # the shared module: the same settings as every fleet-side consumer
+
     problems: list[str] = []
-    backend = settings.get("STATE_BACKEND", "").strip().lower() or "sqlite"
-    if backend not in ("sqlite", "table"):
-        problems.append(f"STATE_BACKEND must be sqlite or table, got {backend!r}")
+    found = fleet_state.table_settings(settings, problems, default_table=DEFAULT_TABLE)
+    backend, connection, endpoint, table = found["backend"], found["connection"], found["endpoint"], found["table"]
     lease_text = settings.get("STATE_LEASE_SECONDS", "").strip() or str(DEFAULT_LEASE)
     try:
         lease = float(lease_text)
@@ -211,17 +211,6 @@ def state_from_env(settings: Mapping[str, str]) -> ReconcileState:
             raise ValueError
     except ValueError:
         problems.append(f"STATE_LEASE_SECONDS must be a positive number of seconds, got {lease_text!r}")
-    connection = settings.get("STATE_TABLE_CONNECTION", "").strip()
-    endpoint = settings.get("STATE_TABLE_ENDPOINT", "").strip().rstrip("/")
-    table = settings.get("STATE_TABLE_NAME", "").strip() or DEFAULT_TABLE
-    if backend == "table":
-        if not connection and not endpoint:
-            problems.append("STATE_BACKEND=table needs STATE_TABLE_ENDPOINT (https://<account>.table.core.windows.net, "
-                            "with the app's managed identity) or STATE_TABLE_CONNECTION (a connection string)")
-        elif endpoint and not connection and not endpoint.lower().startswith("https://"):
-            problems.append(f"STATE_TABLE_ENDPOINT must be https:// (tokens never go over plain HTTP), got {endpoint!r}")
-        if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]{2,62}", table):
-            problems.append(f"STATE_TABLE_NAME must be 3-63 letters and digits, starting with a letter, got {table!r}")
     if problems:
         raise ValueError("; ".join(problems))
     if backend == "sqlite":

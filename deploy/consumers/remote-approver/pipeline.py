@@ -117,29 +117,12 @@ def master_keys(env: Mapping[str, str], problems: list[str]) -> tuple[bytes, ...
     return tuple(masters)
 
 
-STATE_BACKENDS = ("sqlite", "table")
-
-
 def state_settings(env: Mapping[str, str], problems: list[str]) -> dict[str, Any]:
     """STATE_BACKEND (``sqlite``: one instance; ``table``: Azure Table Storage, any number) and its settings."""
-    backend = env.get("STATE_BACKEND", "").strip().lower() or "sqlite"
-    if backend not in STATE_BACKENDS:
-        problems.append(f"STATE_BACKEND must be one of {', '.join(STATE_BACKENDS)}, got {backend!r}")
-        backend = "sqlite"
-    connection = env.get("STATE_TABLE_CONNECTION", "").strip()
-    endpoint = env.get("STATE_TABLE_ENDPOINT", "").strip().rstrip("/")
-    if backend == "table":
-        if not connection and not endpoint:
-            problems.append("STATE_BACKEND=table needs STATE_TABLE_ENDPOINT (https://<account>.table.core.windows.net, "
-                            "with the app's managed identity) or STATE_TABLE_CONNECTION (a connection string)")
-        elif endpoint and not connection and not endpoint.lower().startswith("https://"):
-            problems.append(f"STATE_TABLE_ENDPOINT must be https:// (tokens never go over plain HTTP), got {endpoint!r}")
-    table = env.get("STATE_TABLE_NAME", "").strip() or "sefwdapprover"
-    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]{2,62}", table):
-        problems.append(f"STATE_TABLE_NAME must be 3-63 letters and digits, starting with a letter, got {table!r}")
+    found = fleet_state_module().table_settings(env, problems, default_table="sefwdapprover")
     lease = positive_numbers(env, (("STATE_LEASE_SECONDS", 600.0),), problems)["STATE_LEASE_SECONDS"]
-    return {"state_backend": backend, "state_table_connection": connection, "state_table_endpoint": endpoint,
-            "state_table_name": table, "state_lease": lease}
+    return {"state_backend": found["backend"], "state_table_connection": found["connection"],
+            "state_table_endpoint": found["endpoint"], "state_table_name": found["table"], "state_lease": lease}
 
 
 def fleet_state_module() -> Any:

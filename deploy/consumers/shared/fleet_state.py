@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 PENDING = "pending"
@@ -202,6 +203,30 @@ class TableFolds:
                 continue  # another instance folded meanwhile: compare with its value
 
 
+BACKENDS = ("sqlite", "table")
+
+
+def table_settings(env: Mapping[str, str], problems: list[str], *, default_table: str = DEFAULT_TABLE) -> dict[str, str]:
+    """STATE_BACKEND (``sqlite``: one instance; ``table``: any number) and STATE_TABLE_CONNECTION, _ENDPOINT and
+    _NAME, as every consumer reads them: {"backend", "connection", "endpoint", "table"}; problems appended."""
+    backend = env.get("STATE_BACKEND", "").strip().lower() or "sqlite"
+    if backend not in BACKENDS:
+        problems.append(f"STATE_BACKEND must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        backend = "sqlite"
+    connection = env.get("STATE_TABLE_CONNECTION", "").strip()
+    endpoint = env.get("STATE_TABLE_ENDPOINT", "").strip().rstrip("/")
+    if backend == "table":
+        if not connection and not endpoint:
+            problems.append("STATE_BACKEND=table needs STATE_TABLE_ENDPOINT (https://<account>.table.core.windows.net, "
+                            "with the app's managed identity) or STATE_TABLE_CONNECTION (a connection string)")
+        elif endpoint and not connection and not endpoint.lower().startswith("https://"):
+            problems.append(f"STATE_TABLE_ENDPOINT must be https:// (tokens never go over plain HTTP), got {endpoint!r}")
+    table = env.get("STATE_TABLE_NAME", "").strip() or default_table
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9]{2,62}", table):
+        problems.append(f"STATE_TABLE_NAME must be 3-63 letters and digits, starting with a letter, got {table!r}")
+    return {"backend": backend, "connection": connection, "endpoint": endpoint, "table": table}
+
+
 class TableState:
     """One table client shared by the namespaces of one process."""
 
@@ -241,4 +266,5 @@ class TableState:
         self.table.close()
 
 
-__all__ = ["Claims", "DEFAULT_TABLE", "Folds", "TableClaims", "TableFolds", "TableState", "instance_owner"]
+__all__ = ["BACKENDS", "Claims", "DEFAULT_TABLE", "Folds", "TableClaims", "TableFolds", "TableState", "instance_owner",
+           "table_settings"]
