@@ -55,6 +55,18 @@ def test_a_decision_is_taken_once_released_by_its_owner_and_taken_over_after_its
     assert b.claim("EV-1", "missed|vm1") == DONE and a.claim("EV-1", "missed|vm1") == DONE
 
 
+@pytest.mark.parametrize("backend", ["table", "sqlite"])
+def test_an_instance_takes_back_its_own_decision_once_its_lease_ran_out(azurite: AzuritePeer, backend: str) -> None:
+    """Its release failed (the storage blipped): a single instance must not be stuck with it."""
+    now = [1000.0]
+    state = (table_state(azurite, table_name(), "a", lambda: now[0]) if backend == "table"
+             else SqliteState(lease=60.0, clock=lambda: now[0]))
+    assert state.claim("EV-1", "reported|vm1") == TAKEN
+    assert state.claim("EV-1", "reported|vm1") == BUSY  # the same decision in flight on another thread
+    now[0] += 61
+    assert state.claim("EV-1", "reported|vm1") == TAKEN
+
+
 def test_concurrent_updates_from_several_instances_lose_nothing(azurite: AzuritePeer) -> None:
     table = table_name()
     instances = [table_state(azurite, table, f"i{n}") for n in range(6)]

@@ -121,8 +121,8 @@ class SqliteState:
                                      (event_id, key)).fetchone()
             if found is not None and found[0] == "settled":
                 return DONE
-            if found is not None and (found[1] == self.owner or found[2] > now):
-                return BUSY
+            if found is not None and found[2] > now:
+                return BUSY  # a live lease (ours too: the same decision in flight on another thread)
             self._db.execute("INSERT OR REPLACE INTO decisions VALUES (?, ?, 'pending', ?, ?, ?)",
                              (event_id, key, self.owner, now + self.lease, now))
             return TAKEN

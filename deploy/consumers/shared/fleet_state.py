@@ -9,8 +9,9 @@ approver uses it for its replay claims, de-duplication keys and outcome folds). 
                             credential=DefaultAzureCredential(), table="sefwdstate")
     claims = state.claims("seen", lease=600.0, retention=7800.0)  # a namespace of claims
     claims.claim(key)    # True: this instance now owns ``key`` (pending); False: settled, or pending
-                         #   under another owner's live lease. A pending claim whose lease ran out, or a
-                         #   settled one older than ``retention``, is taken over (conditional on its ETag).
+                         #   under a live lease (another owner's, or ours: a copy already in flight). A
+                         #   pending claim whose lease ran out (whoever's), or a settled one older than
+                         #   ``retention``, is taken over (conditional on its ETag).
     claims.settle(key)   # acted on for good (kept ``retention`` seconds)
     claims.release(key)  # forget it (a transient failure: the next copy tries again); only if still ours
     claims.status(key)   # "pending", "settled" or None (never claimed, released, or settled too long ago)
@@ -111,11 +112,12 @@ class TableClaims:
                 current = self._table.get_entity(partition, row)
             except ResourceNotFoundError:
                 continue
-            state, owner = current.get("State"), current.get("Owner")
+            state = current.get("State")
             if state == SETTLED and now - float(current.get("At") or 0) < self.retention:
                 return False
-            if state == PENDING and (owner == self.owner or float(current.get("LeaseUntil") or 0) > now):
-                return False
+            if state == PENDING and float(current.get("LeaseUntil") or 0) > now:
+                return False  # being acted on (by us too: a second copy in flight waits for the first)
+            # Our own pending claim past its lease is ours to take again (a release that failed).
             # Settled long ago, or pending under an owner whose lease ran out (killed mid-claim): take it over,
             # only if nobody changed the row since we read it.
             try:
