@@ -36,8 +36,8 @@ version="$("$python" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1
 stage="$(mktemp -d)"
 trap 'rm -rf "$stage"' EXIT
 
-cp "$here/HandlerManifest.json" "$here/handler.py" "$here/README.md" "$stage/"
-chmod 0755 "$stage/handler.py"
+cp "$here/HandlerManifest.json" "$here/handler.sh" "$here/handler.py" "$here/README.md" "$stage/"
+chmod 0755 "$stage/handler.sh" "$stage/handler.py"
 mkdir -p "$stage/linux"
 (cd "$repo/deploy/linux" && tar --exclude=__pycache__ -cf - .) | (cd "$stage/linux" && tar -xf -)
 find "$stage/linux" -name '*.sh' -exec chmod 0755 {} +

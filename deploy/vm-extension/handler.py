@@ -876,6 +876,12 @@ def outcome(operation: str, code: int, message: str) -> str:
     return line[:MAX_MESSAGE]
 
 
+def python_note() -> str:
+    """Which Python handler.sh chose (it exports SEFWD_EXT_PYTHON), for the status message."""
+    chosen = os.environ.get("SEFWD_EXT_PYTHON")
+    return " [Python {} at {}]".format(os.environ.get("SEFWD_EXT_PYTHON_VERSION", "?"), chosen) if chosen else ""
+
+
 def main(argv: list | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     command = args[0].lstrip("-").lower() if args else ""
@@ -907,6 +913,7 @@ def main(argv: list | None = None) -> int:
             message += " (details: {})".format(log_path)
     else:
         log.info("%s succeeded: %s", operation, message)
+    message += python_note()
     write_status(henv.status_folder, seq_no, operation, "success" if code == OK else "error", code, message)
     if command == "enable":
         write_heartbeat(henv.heartbeat_file, code == OK, code, message)
