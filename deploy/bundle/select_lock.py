@@ -13,7 +13,7 @@ import sys
 try:
     from packaging.markers import Marker
 except ImportError:  # pip always carries it
-    from pip._vendor.packaging.markers import Marker  # type: ignore[no-redef]
+    from pip._vendor.packaging.markers import Marker  # type: ignore[assignment]
 
 _PIN = re.compile(r"^([A-Za-z0-9._-]+)==(\S+)")
 
