@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent import ROOT
+from tests.agent import ROOT, closed_port
 
 BUNDLE = ROOT / "deploy" / "bundle"
 
@@ -43,6 +43,16 @@ def clean_env(**extra: str) -> dict[str, str]:
            if not k.startswith(("SEFWD_", "PYTEST_", "PYENV_VERSION")) and k not in ("PYTHONPATH", "VIRTUAL_ENV", "PREFIX")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     env.update(extra)
+    return env
+
+
+def offline_env() -> dict[str, str]:
+    """pip with every way to a package index closed: only the bundle's wheelhouse can serve it."""
+    dead = f"http://127.0.0.1:{closed_port()}"
+    env = clean_env(PIP_INDEX_URL=dead + "/simple", PIP_CONFIG_FILE="/dev/null", http_proxy=dead, https_proxy=dead,
+                    HTTP_PROXY=dead, HTTPS_PROXY=dead, PIP_NO_CACHE_DIR="1")
+    env.pop("PIP_FIND_LINKS", None)
+    env.pop("PIP_EXTRA_INDEX_URL", None)
     return env
 
 

@@ -85,7 +85,8 @@ def shipped_examples(bin_dir: Path, tmp: Path) -> list[Path]:
     return paths
 
 
-@pytest.mark.slow  # a venv with every extra and the unit tests on another interpreter (about a minute)
+@pytest.mark.slow  # a venv with every extra and the unit tests on another interpreter (minutes)
+@pytest.mark.timeout(1800)
 @pytest.mark.parametrize("minor", ["3.10", "3.13"])
 def test_unit_tests_and_shipped_configs_on_the_oldest_and_newest(minor: str, tmp_path: Path,
                                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
