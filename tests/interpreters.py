@@ -70,7 +70,9 @@ def pip(bin_dir: Path, *args: str, env: dict[str, str] | None = None, timeout: f
 
 def shared_build(tmp_path_factory: pytest.TempPathFactory, name: str, argv: list[str]) -> Path:
     """Run a build script once for the whole run (xdist workers share the result); its last output line is the path."""
-    root = tmp_path_factory.getbasetemp().parent  # common to every worker of this run
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # popen-gwN/..: common to every worker of this run, and to no other run
     out = root / name
     with open(root / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
