@@ -72,6 +72,7 @@ INDEX_URL_FILE=""
 INDEX_URL=""
 INDEX_FALLBACK=0
 PROJECT_FILE=""
+BUILD_DIR=""
 WHEELHOUSE=""
 [ -d "$HERE/../wheelhouse" ] && WHEELHOUSE="$(cd "$HERE/../wheelhouse" && pwd)"
 
@@ -196,12 +197,9 @@ if [ -d "$SOURCE" ]; then
         --exclude=.pytest_cache --exclude=.mypy_cache --exclude=.ruff_cache --exclude=.hypothesis \
         --exclude=./benchmarks/results/tmp \
         -cf - .) | (cd "$WORK/src" && tar -xf -)
-    # A wheel first: the project is then reinstalled from that one file (below).
-    say "building the wheel of $SOURCE"
-    "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps ${PIP_SOURCE_ARGS[@]+"${PIP_SOURCE_ARGS[@]}"} \
-        --wheel-dir "$WORK/wheel" "$WORK/src" 2>&1 | redact || die "building the wheel of $SOURCE failed"
-    PROJECT_FILE="$(ls "$WORK"/wheel/*.whl)"
-    REQUIREMENT="$PROJECT_FILE$EXTRAS_SPEC"
+    # Built into a wheel first (below, with the index settings): the project is then reinstalled from that one file.
+    BUILD_DIR="$WORK/src"
+    REQUIREMENT="$SOURCE$EXTRAS_SPEC"
 elif [ -f "$SOURCE" ]; then
     PROJECT_FILE="$(cd "$(dirname "$SOURCE")" && pwd)/$(basename "$SOURCE")"
     REQUIREMENT="$PROJECT_FILE$EXTRAS_SPEC"
@@ -276,6 +274,12 @@ fi
     [ -z "$INDEX_URL" ] || export PIP_INDEX_URL="$INDEX_URL"
     [ -z "${NETRC_FILE:-}" ] || export NETRC="$NETRC_FILE"
     pip=("$VENV/bin/python" -m pip install --no-input --disable-pip-version-check --progress-bar off ${PIP_SOURCE_ARGS[@]+"${PIP_SOURCE_ARGS[@]}"})
+    if [ -n "$BUILD_DIR" ]; then
+        "$VENV/bin/python" -m pip wheel --no-input --disable-pip-version-check --progress-bar off --no-deps \
+            ${PIP_SOURCE_ARGS[@]+"${PIP_SOURCE_ARGS[@]}"} --wheel-dir "$WORK/wheel" "$BUILD_DIR" || exit
+        PROJECT_FILE="$(ls "$WORK"/wheel/*.whl)"
+        REQUIREMENT="$PROJECT_FILE$EXTRAS_SPEC"
+    fi
     "${pip[@]}" --upgrade "$REQUIREMENT" || exit
     # The project itself again, for real: a build with the same version number (or an older one)
     # would otherwise be "already installed" and keep the old code. Its dependencies stay as they are.

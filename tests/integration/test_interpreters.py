@@ -85,11 +85,8 @@ def shipped_examples(bin_dir: Path, tmp: Path) -> list[Path]:
     return paths
 
 
-@pytest.mark.slow  # a venv with every extra and the unit tests on another interpreter (minutes)
-@pytest.mark.timeout(1800)
-@pytest.mark.parametrize("minor", ["3.10", "3.13"])
-def test_unit_tests_and_shipped_configs_on_the_oldest_and_newest(minor: str, tmp_path: Path,
-                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+def unit_tests_and_shipped_configs(minor: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The unit tests, and `config check` of the shipped configs, in a venv of ``minor`` with every extra."""
     python = python_or_skip(minor)
     wheel = project_wheel(tmp_path_factory)
     bin_dir = make_venv(python, tmp_path / "venv")
@@ -106,3 +103,17 @@ def test_unit_tests_and_shipped_configs_on_the_oldest_and_newest(minor: str, tmp
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0 and " passed" in summary and "failed" not in summary, done.stdout[-6000:] + done.stderr[-2000:]
     print(f"CPython {minor}: unit tests: {summary}")
+
+
+# Two tests, not one parametrized: the suite hands a test function to one worker whole, and these are
+# the longest of the run (minutes each), so they start first and side by side (tests/durations.json).
+@pytest.mark.slow  # a venv with every extra, then the unit tests on another interpreter
+@pytest.mark.timeout(1800)
+def test_unit_tests_and_shipped_configs_on_3_10(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    unit_tests_and_shipped_configs("3.10", tmp_path, tmp_path_factory)
+
+
+@pytest.mark.slow  # a venv with every extra, then the unit tests on another interpreter
+@pytest.mark.timeout(1800)
+def test_unit_tests_and_shipped_configs_on_3_13(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    unit_tests_and_shipped_configs("3.13", tmp_path, tmp_path_factory)
