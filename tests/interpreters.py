@@ -89,3 +89,25 @@ def shared_build(tmp_path_factory: pytest.TempPathFactory, name: str, argv: list
 def project_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This checkout's wheel, as deploy/bundle/project-wheel.sh builds it (a clean copy, a per-build version)."""
     return shared_build(tmp_path_factory, "sefwd-wheel", ["bash", str(BUNDLE / "project-wheel.sh")])
+
+
+def marked_build(tmp: Path, local: str) -> Path:
+    """The next build of this checkout: a copy with ``BUILD_MARKER = "next build"`` in forwarder/__init__.py,
+    built by project-wheel.sh with the local version ``local`` (a build given the same version as the last one)."""
+    copy = tmp / "next"
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        if (ROOT / name).is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, copy / name)
+    init = copy / "forwarder/__init__.py"
+    init.write_text(init.read_text() + 'BUILD_MARKER = "next build"\n')
+    built = subprocess.run(["bash", str(copy / "deploy/bundle/project-wheel.sh"), str(tmp / "wheel")], capture_output=True,
+                           text=True, timeout=600, env=clean_env(SEFWD_BUILD_LOCAL=local), cwd=str(tmp))
+    assert built.returncode == 0, built.stderr
+    return Path(built.stdout.strip().splitlines()[-1])
+
+
+# What the venv's code says about that marker: "none" before the next build is installed.
+MARKER_CHECK = "import forwarder; print(getattr(forwarder, 'BUILD_MARKER', 'none'))"

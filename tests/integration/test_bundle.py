@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from forwarder.emulator import Emulator
-from tests.agent import ROOT, write_config
-from tests.interpreters import BUNDLE, clean_env, offline_env, python_or_skip, shared_build
+from tests.agent import write_config
+from tests.interpreters import BUNDLE, MARKER_CHECK, clean_env, marked_build, offline_env, python_or_skip, shared_build
 
 # The interpreters and the one architecture the tests install on (a full build has 3.10-3.13 and two).
 PYTHONS = ("3.10", "3.13")
@@ -100,25 +100,13 @@ def test_the_next_build_replaces_the_code_even_with_the_same_version(tmp_path: P
     top = unpack(archive, tmp_path / "unpacked")
     root = tmp_path / "root"
     assert install(top, root, python).returncode == 0
-    # The next build: a copy of the checkout with a marker, given the very same version number (as a
-    # build from an unchanged pyproject.toml had before): pip alone would keep the old code.
-    copy = tmp_path / "next"
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
-    for name in filter(None, files):
-        if (ROOT / name).is_file():
-            (copy / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, copy / name)
-    init = copy / "forwarder/__init__.py"
-    init.write_text(init.read_text() + 'BUILD_MARKER = "next build"\n')
+    # The next build, given the very same version number (as a build from an unchanged pyproject.toml
+    # had before): pip alone would call it "already installed" and keep the old code.
     local = archive.name[len("sefwd-bundle-"):-len(".tar.gz")].split("+", 1)[1]
-    built = subprocess.run(["bash", str(copy / "deploy/bundle/project-wheel.sh"), str(tmp_path / "wheel")], capture_output=True,
-                           text=True, timeout=600, env=clean_env(SEFWD_BUILD_LOCAL=local), cwd=str(tmp_path))
-    assert built.returncode == 0, built.stderr
-    wheel = Path(built.stdout.strip().splitlines()[-1])
+    wheel = marked_build(tmp_path, local)
     assert wheel.name == next((top / "wheelhouse").glob("scheduled_events_forwarder-*.whl")).name  # same version
     done = install(top, root, python, "--source", str(wheel))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    marker = subprocess.run([str(root / "opt/sefwd/venv/bin/python"), "-I", "-c", "import forwarder; print(forwarder.BUILD_MARKER)"],
+    marker = subprocess.run([str(root / "opt/sefwd/venv/bin/python"), "-I", "-c", MARKER_CHECK],
                             capture_output=True, text=True, timeout=60)
     assert marker.stdout.strip() == "next build", marker.stderr

@@ -3,7 +3,6 @@ update to the next build runs the new code."""
 from __future__ import annotations
 
 import platform
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.agent import ROOT
-from tests.interpreters import clean_env, offline_env, shared_build
+from tests.interpreters import MARKER_CHECK, marked_build, offline_env, shared_build
 from tests.peers.guest_agent import GuestAgent, Settings
 
 EXT_SRC = ROOT / "deploy" / "vm-extension"
@@ -30,22 +29,9 @@ def offline_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def next_build(package: Path, tmp: Path) -> Path:
     """The same extension with the next build of the agent: a marker in its code, and the same version number."""
-    copy = tmp / "next"
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
-    for name in filter(None, files):
-        if (ROOT / name).is_file():
-            (copy / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / name, copy / name)
-    init = copy / "forwarder/__init__.py"
-    init.write_text(init.read_text() + 'BUILD_MARKER = "next build"\n')
     with zipfile.ZipFile(package) as zf:
         (old,) = [n for n in zf.namelist() if n.startswith("wheels/")]
-    local = old.split("+", 1)[1].split("-", 1)[0]
-    built = subprocess.run(["bash", str(copy / "deploy/bundle/project-wheel.sh"), str(tmp / "wheel")], capture_output=True,
-                           text=True, timeout=600, env=clean_env(SEFWD_BUILD_LOCAL=local), cwd=str(tmp))
-    assert built.returncode == 0, built.stderr
-    wheel = Path(built.stdout.strip().splitlines()[-1])
+    wheel = marked_build(tmp, old.split("+", 1)[1].split("-", 1)[0])
     assert "wheels/" + wheel.name == old  # pip alone would call it "already installed"
     newer = tmp / "newer.zip"
     replaced = {old, "wheelhouse/" + wheel.name}
@@ -78,7 +64,7 @@ def test_offline_install_and_an_update_to_the_next_build(tmp_path: Path, tmp_pat
     python = root / "opt/sefwd/venv/bin/python"
     log = (ga.instances["1.0.0"].log_dir / "handler.log").read_text()
     assert "(no package index)" in log, log[-3000:]
-    marker = [str(python), "-I", "-c", "import forwarder; print(getattr(forwarder, 'BUILD_MARKER', 'none'))"]
+    marker = [str(python), "-I", "-c", MARKER_CHECK]
     assert subprocess.run(marker, capture_output=True, text=True, timeout=60).stdout.strip() == "none"
 
     assert ga.enable(next_build(package, tmp_path), "1.1.0", Settings(0, public)), ga.report()
