@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import trustme
 from forwarder.approval.config import parse_approval
 from forwarder.approval.policy import SEED_SAMPLE_RULES
 from forwarder.approval.settings import ApprovalConfig, CallbackSettings, HookSpec, Rule
+from forwarder.common.compat import tomllib
 from forwarder.common.signing import generate_secret, parse_secret
 from tests.conftest import FIXTURES
 from forwarder.agent.config_example import shipped as _shipped_example
