@@ -44,7 +44,7 @@ class _Plan:
     workers: tuple[int, ...]
 
 
-PLANS = {"full": _Plan(150, (8, 50)), "quick": _Plan(50, (8, 50)), "smoke": _Plan(5, (4,))}
+PLANS = {"full": _Plan(150, (8, 50)), "quick": _Plan(50, (8, 50)), "smoke": _Plan(5, (8,))}
 
 
 class BareCondition:

@@ -1,7 +1,10 @@
 """What every loopback HTTP peer shares: ``with`` support and the bound port."""
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # typing.Self is 3.11+; annotations are never evaluated at run time
+    from typing_extensions import Self
 
 
 class ServerPeer:

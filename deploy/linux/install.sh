@@ -6,12 +6,16 @@ set -euo pipefail
 usage() {
     cat <<'EOF'
 Usage: install.sh [--source SRC | --source-file FILE] [--index-url-file FILE] [--extras LIST]
-                  [--python PY] [--prefix DIR] [--no-user] [--no-start]
+                  [--python PY] [--prefix DIR] [--no-user] [--no-start] [--index-fallback]
 
   --source SRC    what pip installs: a checkout of the project (a directory with pyproject.toml),
                   a wheel or sdist file, a URL (git+https://...@TAG, https://.../x.whl), or a
                   PyPI requirement (scheduled-events-forwarder==0.1.0).
-                  Default: the checkout this script is in, else scheduled-events-forwarder.
+                  Default: the bundle or checkout this script is in, else scheduled-events-forwarder.
+                  In an offline bundle (deploy/bundle/build.sh: this script in linux/ beside
+                  wheelhouse/) pip installs from wheelhouse/ alone (--no-index), after checking
+                  the bundle's SHA256SUMS; the default source is the bundle's own wheel.
+  --index-fallback  with a bundle: let pip also use the package index for what wheelhouse/ lacks.
   --source-file FILE  the source read from FILE (mode 0600), for a URL carrying a credential
                   (a SAS-signed wheel URL: ...whl?sv=...&sig=..., or https://user:token@host/x.whl):
                   `ps` shows every command line to every local user, so --source refuses those.
@@ -23,8 +27,9 @@ Usage: install.sh [--source SRC | --source-file FILE] [--index-url-file FILE] [-
                   its environment, never as an argument. A URL with a query string (?token=...)
                   is refused: it would reach a command line. pip's output is redacted either way.
   --extras LIST   comma-separated extras (default: eventhubs,loganalytics; "" for none; "all").
-  --python PY     interpreter for the venv (>= 3.11 with venv/ensurepip). Default: the first
-                  of python3 python3.13 python3.12 python3.11 that qualifies.
+  --python PY     interpreter for the venv (>= 3.10 with venv/ensurepip). Default: the VM
+                  extension's choice ($SEFWD_EXT_PYTHON), else the first of python3.13
+                  python3.12 python3.11 python3.10 python3 that qualifies.
   --prefix DIR    install under DIR instead of / (also $PREFIX): DIR/opt/sefwd/venv,
                   DIR/etc/sefwd, DIR/var/lib/sefwd, DIR/etc/systemd/system. systemctl is never
                   called with a prefix. The venv is only usable at DIR/opt/sefwd/venv.
@@ -92,6 +97,11 @@ DIST=scheduled-events-forwarder
 SOURCE_FILE=""
 INDEX_URL_FILE=""
 INDEX_URL=""
+INDEX_FALLBACK=0
+PROJECT_FILE=""
+BUILD_DIR=""
+WHEELHOUSE=""
+[ -d "$HERE/../wheelhouse" ] && WHEELHOUSE="$(cd "$HERE/../wheelhouse" && pwd)"
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -109,6 +119,7 @@ while [ $# -gt 0 ]; do
         --prefix=*) PREFIX="${1#*=}"; shift ;;
         --no-user) MANAGE_USER=0; shift ;;
         --no-start) START=0; shift ;;
+        --index-fallback) INDEX_FALLBACK=1; shift ;;
         -h|--help) usage; exit 0 ;;
         *) usage >&2; die "unknown argument: $1" ;;
     esac
@@ -155,15 +166,15 @@ done
 
 # -- the interpreter ---------------------------------------------------------------------------
 python_ok() {
-    "$1" -c 'import sys, venv, ensurepip; sys.exit(0 if sys.version_info >= (3, 11) else 3)' >/dev/null 2>&1
+    "$1" -c 'import sys, venv, ensurepip; sys.exit(0 if sys.version_info >= (3, 10) else 3)' >/dev/null 2>&1
 }
 if [ -n "$PYTHON" ]; then
     command -v "$PYTHON" >/dev/null 2>&1 || die "--python $PYTHON: not found"
     if ! python_ok "$PYTHON"; then
-        die "$PYTHON is not Python >= 3.11 with venv and ensurepip (Debian/Ubuntu: apt-get install python3-venv, or python3.11-venv for $PYTHON)"
+        die "$PYTHON is not Python >= 3.10 with venv and ensurepip (Debian/Ubuntu: apt-get install python3-venv, or python3.X-venv for $PYTHON)"
     fi
 else
-    for candidate in python3 python3.13 python3.12 python3.11; do
+    for candidate in ${SEFWD_EXT_PYTHON:-} python3.13 python3.12 python3.11 python3.10 python3; do
         if command -v "$candidate" >/dev/null 2>&1 && python_ok "$candidate"; then
             PYTHON="$candidate"
             break
@@ -171,7 +182,7 @@ else
     done
     if [ -z "$PYTHON" ]; then
         have="$(command -v python3 >/dev/null 2>&1 && python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' || echo none)"
-        die "need Python >= 3.11 with venv (python3 here: $have). Debian 12/Ubuntu 24.04: apt-get install python3-venv; Ubuntu 22.04: apt-get install python3.11-venv; RHEL 9: dnf install python3.11"
+        die "need Python >= 3.10 with venv (python3 here: $have). Debian 12/Ubuntu 22.04 or newer: apt-get install python3-venv; RHEL/Rocky/Alma/Oracle 8 and 9: dnf install python3.12; SLES 15: zypper install python311 (docs/install.md)"
     fi
 fi
 # The real interpreter, not a wrapper (pyenv shims, alternatives): that is what the venv uses.
@@ -186,8 +197,23 @@ trap 'rm -rf "$WORK"' EXIT
 # which `ps` shows every local user (a source checkout, as cloud-init installs, always builds).
 index_netrc "$PY_VERSION"
 
+PIP_SOURCE_ARGS=()
+if [ -n "$WHEELHOUSE" ]; then
+    if [ -f "$HERE/../SHA256SUMS" ]; then
+        (cd "$HERE/.." && sha256sum --check --quiet --strict SHA256SUMS) >&2 \
+            || die "the bundle in $(cd "$HERE/.." && pwd) does not match its SHA256SUMS (a damaged or altered copy)"
+    fi
+    PIP_SOURCE_ARGS=(--find-links "$WHEELHOUSE")
+    [ "$INDEX_FALLBACK" -eq 1 ] || PIP_SOURCE_ARGS+=(--no-index)
+    say "installing from the bundle's wheelhouse $WHEELHOUSE${PIP_SOURCE_ARGS[2]:+ (no package index)}"
+fi
 if [ -z "$SOURCE" ]; then
-    if [ -f "$HERE/../../pyproject.toml" ]; then
+    bundled_wheels=()
+    [ -z "$WHEELHOUSE" ] || bundled_wheels=("$WHEELHOUSE"/scheduled_events_forwarder-*.whl)
+    if [ -n "$WHEELHOUSE" ] && [ -f "${bundled_wheels[0]}" ]; then
+        [ "${#bundled_wheels[@]}" -eq 1 ] || die "$WHEELHOUSE holds ${#bundled_wheels[@]} wheels of the project: which one? (--source)"
+        SOURCE="${bundled_wheels[0]}"
+    elif [ -f "$HERE/../../pyproject.toml" ]; then
         SOURCE="$(cd "$HERE/../.." && pwd)"
     else
         SOURCE="$DIST"
@@ -205,9 +231,12 @@ if [ -d "$SOURCE" ]; then
         --exclude=.pytest_cache --exclude=.mypy_cache --exclude=.ruff_cache --exclude=.hypothesis \
         --exclude=./benchmarks/results/tmp \
         -cf - .) | (cd "$WORK/src" && tar -xf -)
-    REQUIREMENT="$WORK/src$EXTRAS_SPEC"
+    # Built into a wheel first (below, with the index settings): the project is then reinstalled from that one file.
+    BUILD_DIR="$WORK/src"
+    REQUIREMENT="$SOURCE$EXTRAS_SPEC"
 elif [ -f "$SOURCE" ]; then
-    REQUIREMENT="$(cd "$(dirname "$SOURCE")" && pwd)/$(basename "$SOURCE")$EXTRAS_SPEC"
+    PROJECT_FILE="$(cd "$(dirname "$SOURCE")" && pwd)/$(basename "$SOURCE")"
+    REQUIREMENT="$PROJECT_FILE$EXTRAS_SPEC"
 elif [[ "$SOURCE" == *://* ]] && has_credential "$SOURCE"; then
     [[ "$SOURCE" != git+* ]] || die "a git URL with a credential would reach git's command line: use a git credential helper, or a wheel URL with --source-file"
     # Python fetches it (URL read from a 0600 file, never an argument); pip installs the local file,
@@ -233,7 +262,8 @@ except (OSError, ValueError) as exc:  # never the URL: it holds the credential
     code = getattr(exc, "code", None)
     sys.exit(f"install.sh: error: download failed: {'HTTP %s' % code if code else type(exc).__name__}")
 PY
-    REQUIREMENT="$WORK/download/$WHEEL_NAME$EXTRAS_SPEC"
+    PROJECT_FILE="$WORK/download/$WHEEL_NAME"
+    REQUIREMENT="$PROJECT_FILE$EXTRAS_SPEC"
 elif [[ "$SOURCE" == *://* ]]; then
     REQUIREMENT="$DIST$EXTRAS_SPEC @ $SOURCE"
 elif [[ "$SOURCE" == *"["* ]] || [ -z "$EXTRAS_SPEC" ]; then
@@ -268,10 +298,20 @@ say "pip install $(printf '%s' "$REQUIREMENT" | redact)"
 (
     [ -z "$INDEX_URL" ] || export PIP_INDEX_URL="$INDEX_URL"
     [ -z "${NETRC_FILE:-}" ] || export NETRC="$NETRC_FILE"
-    exec "$VENV/bin/python" -m pip install --no-input --disable-pip-version-check --progress-bar off --upgrade "$REQUIREMENT"
-) 2>&1 | redact || die "pip install failed (the VM needs access to the package index, or pass a wheel with --source)"
+    pip=("$VENV/bin/python" -m pip install --no-input --disable-pip-version-check --progress-bar off ${PIP_SOURCE_ARGS[@]+"${PIP_SOURCE_ARGS[@]}"})
+    if [ -n "$BUILD_DIR" ]; then
+        "$VENV/bin/python" -m pip wheel --no-input --disable-pip-version-check --progress-bar off --no-deps \
+            ${PIP_SOURCE_ARGS[@]+"${PIP_SOURCE_ARGS[@]}"} --wheel-dir "$WORK/wheel" "$BUILD_DIR" || exit
+        PROJECT_FILE="$(ls "$WORK"/wheel/*.whl)"
+        REQUIREMENT="$PROJECT_FILE$EXTRAS_SPEC"
+    fi
+    "${pip[@]}" --upgrade "$REQUIREMENT" || exit
+    # The project itself again, for real: a build with the same version number (or an older one)
+    # would otherwise be "already installed" and keep the old code. Its dependencies stay as they are.
+    [ -z "${PROJECT_FILE:-}" ] || exec "${pip[@]}" --force-reinstall --no-deps "$PROJECT_FILE"
+) 2>&1 | redact || die "pip install failed (the VM needs access to the package index, or pass a wheel with --source, or use the offline bundle)"
 "$VENV/bin/sefwd" --help >/dev/null || die "the installed $VENV/bin/sefwd does not run"
-VERSION="$("$VENV/bin/python" -c 'from importlib.metadata import version; print(version("scheduled-events-forwarder"))')"
+VERSION="$("$VENV/bin/python" -I -c 'from importlib.metadata import version; print(version("scheduled-events-forwarder"))')"
 install -m 0755 "$HERE/uninstall.sh" "$OPT/uninstall.sh"
 [ -f "$HERE/README.md" ] && install -m 0644 "$HERE/README.md" "$OPT/README.md"
 

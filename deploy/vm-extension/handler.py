@@ -1350,6 +1350,12 @@ def outcome(operation: str, code: int, message: str) -> str:
     return line[:MAX_MESSAGE]
 
 
+def python_note() -> str:
+    """Which Python handler.sh chose (it exports SEFWD_EXT_PYTHON), for the status message."""
+    chosen = os.environ.get("SEFWD_EXT_PYTHON")
+    return " [Python {} at {}]".format(os.environ.get("SEFWD_EXT_PYTHON_VERSION", "?"), chosen) if chosen else ""
+
+
 def run_heartbeat() -> int:
     """``handler.py heartbeat`` (the root timer): copy the agent's heartbeat, checked, for waagent; exits 0."""
     logging.raiseExceptions = False
@@ -1437,6 +1443,7 @@ def run_command(command: str) -> int:
     if command == "disable" and code != OK:
         # waagent runs disable outside its error handling: a non-zero exit would block uninstall and abort an update.
         status, exit_code = "warning", OK
+    message += python_note()
     write_status(henv.status_folder, seq_no, operation, status, code, message)
     if command == "enable":
         write_heartbeat(henv.heartbeat_file, code == OK, code, message)

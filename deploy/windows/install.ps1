@@ -41,7 +41,7 @@ param(
     [string]$Source = '',
     # Comma-separated extras; '' for none, 'all' for every sink and telemetry.
     [string]$Extras = 'eventhubs,loganalytics',
-    # python.exe (>= 3.11, installed for all users). Default: the py launcher's newest 3.x, else python.exe on PATH.
+    # python.exe (>= 3.10, installed for all users). Default: the py launcher's newest 3.x, else python.exe on PATH.
     [string]$Python = '',
     # A WinSW-x64.exe already downloaded (offline machines). It is checked against -WinSWSha256 all the same.
     [string]$WinSWPath = '',
@@ -92,7 +92,7 @@ function Find-Python {
     if ($Python) {
         $exe = (Get-Command -Name $Python -CommandType Application | Select-Object -First 1).Source
         $v = Get-PythonVersion $exe
-        if (-not $v -or $v -lt [version]'3.11') { throw "$Python is not Python >= 3.11 with venv" }
+        if (-not $v -or $v -lt [version]'3.10') { throw "$Python is not Python >= 3.10 with venv" }
         return $exe
     }
     $candidates = @()
@@ -108,9 +108,9 @@ function Find-Python {
         Where-Object { $_.Source -notlike '*\WindowsApps\*' } | ForEach-Object { $_.Source })
     foreach ($exe in $candidates) {
         $v = Get-PythonVersion $exe
-        if ($v -and $v -ge [version]'3.11') { return $exe }
+        if ($v -and $v -ge [version]'3.10') { return $exe }
     }
-    throw 'Python >= 3.11 not found. Install it for all users, e.g.: winget install --id Python.Python.3.12 --scope machine  (or pass -Python C:\path\python.exe)'
+    throw 'Python >= 3.10 not found. Install it for all users, e.g.: winget install --id Python.Python.3.12 --scope machine  (or pass -Python C:\path\python.exe)'
 }
 
 function Get-Requirement([string]$Src, [string]$Spec, [string]$Work) {

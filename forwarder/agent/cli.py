@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from forwarder import __version__
+from forwarder.agent.version_info import VersionAction
 from forwarder.errors import ConfigError, ForwarderError, UsageError
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                "exit codes: 0 ok, 1 failure, 2 config or usage error, 3 bad IMDS document (once), "
                "4 degraded (status), 130 Ctrl-C",
     )
-    parser.add_argument("--version", action="version", version=f"sefwd {__version__}")
+    parser.add_argument("--version", action=VersionAction)
     parser.add_argument("--log-level", default=None, help="debug, info, warning or error (default: from config, info)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

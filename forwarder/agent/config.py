@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import sys
-import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any
 
 from forwarder.approval.config import parse_approval
 from forwarder.approval.settings import ApprovalConfig
+from forwarder.common.compat import tomllib
 from forwarder.protect.settings import ProtectConfig, parse_protect
 from forwarder.common.connection_strings import appinsights_problems
 from forwarder.delivery.filters import RecordFilter, filter_for

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Self, cast
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 from forwarder.approval.seen_ids import ReplayCache
@@ -30,6 +30,9 @@ from forwarder.common.http_server import HttpServer, QuietHandler, client_key
 from forwarder.common.listen import host_port_text, tls_server_context
 from forwarder.common.logs import RateLimitedLog
 from forwarder.common.signing import SignatureError, verify
+
+if TYPE_CHECKING:  # typing.Self is 3.11+; annotations are never evaluated at run time
+    from typing_extensions import Self
 
 log = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
 """Scenario files (TOML): a timeline of schedule/approve/start/update/cancel/complete/fault/end steps."""
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from forwarder.common.compat import tomllib
 from forwarder.emulator.faults import FAULT_KEYS, Fault
 from forwarder.emulator.model import (
     SPEC_KEYS, UPDATE_KEYS, SpecError, VmProfile, normalize_spec, parse_not_before,

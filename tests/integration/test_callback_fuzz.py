@@ -15,7 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -25,6 +25,7 @@ from standardwebhooks.webhooks import Webhook
 
 from forwarder.approval.callback import ApprovalRequest, CallbackServer, Verdict
 from forwarder.approval.settings import CallbackSettings
+from forwarder.common.compat import UTC
 from forwarder.common.signing import generate_secret, parse_secret, sign_headers
 
 pytestmark = pytest.mark.timeout(120)

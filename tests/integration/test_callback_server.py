@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from standardwebhooks.webhooks import Webhook
 from forwarder.approval.callback import MAX_CONNECTIONS_PER_CLIENT, ApprovalRequest, CallbackServer, Verdict
 from forwarder.approval.seen_ids import ReplayCache
 from forwarder.approval.settings import CallbackSettings
+from forwarder.common.compat import UTC
 from forwarder.common.signing import generate_secret, parse_secret, sign_headers
 
 pytestmark = pytest.mark.timeout(60)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 
 import orjson
 
+from forwarder.common.compat import tomllib
 from forwarder.emulator import Emulator
 from forwarder.store.database import Store
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config

@@ -83,7 +83,8 @@ def test_two_agents_one_availability_set_fold_to_one_outcome_per_event(tmp_path:
     assert folded == {ran: "completed", called_off: "canceled"}
 
     # The remote-approver Function applies the same rule to the stream of both VMs' records, in
-    # any order: one "outcome" decision per EventId, a later weaker report is a duplicate.
+    # any order, per VM (issue 29: a VM's record moves only that VM's outcome): one "outcome"
+    # decision per VM and EventId, each VM's the one it reported.
     if str(APP_DIR) not in sys.path:
         sys.path.insert(0, str(APP_DIR))
     import pipeline
@@ -95,9 +96,10 @@ def test_two_agents_one_availability_set_fold_to_one_outcome_per_event(tmp_path:
         approver = pipeline.RemoteApprover(settings, approve=lambda *a, **k: {"ok": False})
         stream = [r for vm in order for r in read_jsonl(outs[vm]) if r["type"] in TERMINAL]
         decided = [o for o in approver.handle_many(stream) if o["decision"] == "outcome"]
-        final = {o["EventId"]: o["outcome"] for o in decided}
-        assert final == folded, order
-        assert len([o for o in decided if o["EventId"] == called_off]) == 1
+        per_vm = {(o["eventkey"].partition("|")[0].rpartition("/")[2], o["EventId"]): o["outcome"] for o in decided}
+        assert len(per_vm) == len(decided), order  # no VM's outcome of an event decided twice
+        assert per_vm == {(vm, eid): outcome[vm][eid] for vm in outcome for eid in (ran, called_off)}, order
+        assert fold(per_vm[vm, ran] for vm in outcome) == folded[ran]
 
 
 def test_an_approval_recorded_by_sefwd_approve_while_the_agent_is_down_makes_the_vanish_completed(

@@ -24,8 +24,10 @@ from sinks.la_schema import COLUMNS, to_row
 from tests.agent import AgentProcess, wait_until, write_config
 
 APP_DIR = Path(__file__).resolve().parents[2] / "deploy" / "consumers" / "platform-events"
+# Appended, not first: the remote approver's tests share this process and import their own
+# ``function_app`` by name; this app's is loaded from its file (_function_app), never by name.
 if str(APP_DIR) not in sys.path:
-    sys.path.insert(0, str(APP_DIR))
+    sys.path.append(str(APP_DIR))
 
 import platform_events  # noqa: E402
 import streamauth  # noqa: E402  (the remote approver's verifier, linked into the consumer)

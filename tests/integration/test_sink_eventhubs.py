@@ -200,7 +200,8 @@ def test_peer_down_is_retried_and_the_sink_recovers(tmp_path, peer, monkeypatch)
         assert sink.send([record]) == Ok()
     finally:
         sink.close()
-    assert peer.events()[-1]["message_id"] == record.id
+    # (the attempt abandoned while the peer hung may still land once the socket drops: not necessarily last)
+    assert record.id in [e["message_id"] for e in peer.events()]
 
 
 def test_server_busy_and_resource_limit_are_retried(tmp_path, peer, monkeypatch):
@@ -259,7 +260,8 @@ def test_slow_peer_times_out_and_a_hung_peer_is_abandoned(tmp_path, peer, monkey
     finally:
         sink.close()
     assert slow < 8 and hung < 4
-    assert peer.events()[-1]["message_id"] == record.id
+    # (the attempt abandoned while the peer hung may still land once the socket drops: not necessarily last)
+    assert record.id in [e["message_id"] for e in peer.events()]
 
 
 def test_managed_identity_token_from_the_imds_emulator(tmp_path, service, monkeypatch):

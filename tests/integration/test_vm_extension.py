@@ -175,7 +175,7 @@ def test_manifest_names_the_handler_for_every_command() -> None:
     manifest = json.loads((EXT_SRC / "HandlerManifest.json").read_text())
     body = manifest[0]["handlerManifest"]
     for op in ("install", "uninstall", "update", "enable", "disable"):
-        assert body[f"{op}Command"] == f"handler.py {op}"
+        assert body[f"{op}Command"] == f"handler.sh {op}"  # the launcher picks the Python (test_vm_extension_python.py)
     assert body["rebootAfterInstall"] is False and body["reportHeartbeat"] is True
     assert body["updateMode"] == "UpdateWithInstall"
     assert HANDLER.read_text().startswith("#!/usr/bin/env python3\n")

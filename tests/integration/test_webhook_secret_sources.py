@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 import stat
-import tomllib
 from pathlib import Path
 
 import pytest
 
 from benchmarks.peers.webhook_receiver import WebhookReceiver
+from forwarder.common.compat import tomllib
 from forwarder.emulator import Emulator
 from forwarder.sinkapi import Ok, Record, SinkContext
 from sinks.webhook import WebhookSink

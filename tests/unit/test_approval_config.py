@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import base64
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import trustme
 from forwarder.approval.config import parse_approval
 from forwarder.approval.policy import SEED_SAMPLE_RULES
 from forwarder.approval.settings import ApprovalConfig, CallbackSettings, HookSpec, Rule
+from forwarder.common.compat import tomllib
 from forwarder.common.signing import generate_secret, parse_secret
 from tests.conftest import FIXTURES
 from forwarder.agent.config_example import shipped as _shipped_example
@@ -320,9 +320,10 @@ def test_the_commented_example_parses_once_uncommented(tmp_path: Path) -> None:
                         "hooks", "rules", "callback"}
     config = ok(raw, {"SEFWD_CALLBACK_SECRET": SECRET_A})
     assert config.rules == SEED_SAMPLE_RULES
-    assert config.hooks == {"scheduled": HookSpec(("/usr/local/bin/drain.sh", "--graceful"), at=120.0,
+    # Per-change hooks are for notifications now ([protect] drains and undoes: test_protect_config).
+    assert config.hooks == {"scheduled": HookSpec(("/usr/local/bin/tell-the-team.sh",),
                                                   event_types=("Reboot", "Redeploy", "Preempt")),
-                            "completed": HookSpec("/usr/local/bin/undrain.sh")}
+                            "completed": HookSpec("/usr/local/bin/tell-the-team.sh", affects_this_vm=False)}
     assert config.hook_env == () and config.deadline_margin == 5.0 and not config.dry_run and config.workers == 8
     assert config.callback == CallbackSettings(host="127.0.0.1", port=8787, keys=(parse_secret(SECRET_A),),
                                                tls_cert=tmp_path / "tls.crt", tls_key=tmp_path / "tls.key")

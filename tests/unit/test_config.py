@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,6 +23,7 @@ from forwarder.agent.config import (
     load_config,
     parse_config,
 )
+from forwarder.common.compat import tomllib
 from forwarder.errors import ConfigError
 from forwarder.imds.client import ImdsClient
 from forwarder.agent.config_example import shipped as _shipped_example

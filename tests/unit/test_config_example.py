@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import re
-import tomllib
 
 from forwarder.agent.config import SECTIONS, parse_config
 from forwarder.agent.config_example import SINK_ORDER, render, shipped
+from forwarder.common.compat import tomllib
 from forwarder.delivery.filters import parse_filter
 from forwarder.sinkapi import load_sink_factory
 

@@ -10,12 +10,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
+from forwarder.common.compat import tomllib
 from forwarder.common.values import parse_duration
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -2,10 +2,10 @@
 config check, and its sample message is what the notify sink renders."""
 from __future__ import annotations
 
-import tomllib
 from datetime import datetime, timezone
 
 from forwarder.agent.config import parse_config
+from forwarder.common.compat import tomllib
 from sinks.notify_messages import MessageRenderer
 from tests.conftest import ROOT
 

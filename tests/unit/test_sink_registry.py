@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import ast
-import tomllib
 from importlib.metadata import entry_points
 
+from forwarder.common.compat import tomllib
 from forwarder.sinkapi import BUILTIN_SINKS, ENTRY_POINT_GROUP, available_sinks
 from tests.conftest import ROOT
 
