@@ -14,7 +14,7 @@ repo="$(cd "$here/../.." && pwd)"
 uv="${UV:-uv}"
 command -v "$uv" >/dev/null 2>&1 || { echo "lock.sh: uv not found (pip install uv, or UV=/path/to/uv)" >&2; exit 1; }
 extras="$(sed -n '/^\[project.optional-dependencies\]/,/^\[/p' "$repo/pyproject.toml" \
-    | sed -n 's/^\([a-z][a-z0-9_-]*\) = .*/\1/p' | grep -vx -e all -e test -e bench)"
+    | sed -n 's/^\([a-z][a-z0-9_-]*\) = .*/\1/p' | grep -vx -e all -e test -e bench -e consumers)"  # consumers: the Function apps, not the VM
 mkdir -p "$here/lock"
 compile() {  # OUTPUT [--extra NAME]
     local out="$1"; shift

@@ -11,7 +11,7 @@ from forwarder.common.compat import tomllib
 from tests.conftest import ROOT
 
 LOCK = ROOT / "deploy" / "bundle" / "lock"
-GROUPS = ("all", "test", "bench")  # extras made of other extras or for development: not in a bundle
+GROUPS = ("all", "test", "bench", "consumers")  # groups, development, and the fleet-side Function apps (their own requirements.txt): not in a VM bundle
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
