@@ -1,4 +1,5 @@
-"""What can fail at start, checked before the agent says "started": every listening port and TLS file, at once.
+"""What can fail at start, checked before the agent says "started": every listening port, TLS file and
+file the agent keeps rewriting (the probe's state file, the extension heartbeat), at once.
 
 A busy port used to surface after the ``forwarder.started`` record, as an "invalid configuration". The
 agent now tries each configured address first (bind, then close at once) and stops with every
@@ -7,7 +8,9 @@ problem named for what it is: a port in use is not a config error (exit 1, ``Sta
 from __future__ import annotations
 
 import errno
+import os
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forwarder.common.http_server import address_family
@@ -62,8 +65,46 @@ def try_listen(host: str, port: int) -> OSError | None:
     return None
 
 
+def replace_problem(path: Path, *, makes_dirs: bool) -> str | None:
+    """Why the agent could not replace ``path`` (temp file beside it, then rename), or None; writes nothing.
+
+    ``makes_dirs``: the writer creates missing directories (the state file), so the nearest existing
+    one must be writable; otherwise (the heartbeat) the file's own directory must exist.
+    """
+    if os.path.isdir(path):
+        return "it is a directory"
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        if os.path.exists(directory):
+            return f"{directory} is not a directory"
+        if not makes_dirs:
+            return f"directory {directory} does not exist"
+        while not os.path.exists(directory):
+            directory = os.path.dirname(directory)
+        if not os.path.isdir(directory):
+            return f"{directory} is not a directory"
+    # Rename needs write and search permission on the directory, not on the file (a read-only
+    # file system says no here too, even to root).
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"directory {directory} is not writable"
+    return None
+
+
+def rewritten_files(config: Config) -> list[tuple[str, Path, bool]]:
+    """(what, path, makes_dirs) of every file the agent keeps replacing while it runs."""
+    found = []
+    if config.probe.enabled:
+        from forwarder.agent.maintenance import default_state_file
+
+        found.append(("probe.state_file", config.probe.state_file or default_state_file(config.state.dir), True))
+    if config.agent.heartbeat_file is not None:
+        found.append(("agent.heartbeat_file", config.agent.heartbeat_file, False))
+    return found
+
+
 def check_start(config: Config) -> None:
-    """Raise StartError naming every address the agent cannot listen on, and TLS files it cannot load."""
+    """Raise StartError naming every address the agent cannot listen on, TLS file it cannot load and
+    file it could not keep writing."""
     problems = []
     for what, host, port in listeners(config):
         exc = try_listen(host, port)
@@ -78,5 +119,9 @@ def check_start(config: Config) -> None:
         except OSError as exc:  # ssl.SSLError included; never the files' content
             problems.append(f"approval.callback tls_cert {callback.tls_cert} / tls_key {callback.tls_key}: "
                             f"cannot load: {exc.strerror or type(exc).__name__}")
+    for what, path, makes_dirs in rewritten_files(config):
+        why = replace_problem(path, makes_dirs=makes_dirs)
+        if why is not None:
+            problems.append(f"{what} {path}: cannot write: {why}")
     if problems:
         raise StartError(problems)

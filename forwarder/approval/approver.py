@@ -195,7 +195,9 @@ class Approver:
         if not ids:
             return Attempt(REFUSED, "no_event_ids", 422), None, None
         try:
-            fetch = self.imds.scheduled_events(conditional=False)  # the body, never a 304
+            # The body, never a 304; retried (one 429 from IMDS's 5/s, shared with the agent, must not
+            # fail an approval), each attempt within the client's request budget.
+            fetch = self.imds.read_scheduled_events()
             document = parse_document(fetch.body or b"")
         except (ImdsError, DocumentError) as exc:
             return Attempt(FAILED, "imds_unavailable", 503, detail=str(exc)), None, getattr(exc, "status", None)

@@ -68,6 +68,10 @@ GONE_WINDOW = 70.0  # IMDS: "410 — retry for up to 70 s in total"
 # The shared retryable statuses plus IMDS's own 410 ("retry for up to 70 s"); to other servers 410 is final.
 IMDS_RETRYABLE_STATUS: frozenset[int] = RETRYABLE_STATUS | {410}
 RETRY_DEADLINE = 90.0  # whole budget of one start_requests()/compute() call
+# read_scheduled_events(): an approval's fresh read. Long enough for a few throttled or failed
+# attempts at the one-shot budget (1 per 1.1 s) and a 5 s Retry-After; short enough for a caller
+# waiting on the callback.
+READ_DEADLINE = 30.0
 BODY_SNIPPET = 200
 # IMDS answers are a few KiB (a scale-set event naming 1,000 instances is ~20 KiB; compute with 50
 # tags ~40 KiB): 1 MiB is a 25x margin, and small enough that a hostile answer cannot hurt memory.
@@ -291,6 +295,34 @@ class ImdsClient:
                             status=304, retryable=True)
         raise self._status_error("GET", self.events_url, response)
 
+    def read_scheduled_events(self, *, deadline: float = READ_DEADLINE) -> Fetch:
+        """The document with its body (never a 304), transient answers retried for up to ``deadline`` seconds.
+
+        For a read that must not fail on one 429, 5xx, 410 or dropped connection (an approval checks the
+        document it approves); every attempt waits its turn in the request budget. The poll keeps
+        ``scheduled_events``: it never retries, its next turn is its retry.
+        """
+        # The slow first call (IMDS enables Scheduled Events on it) keeps its long timeout.
+        first = self.timeout if self._answered else self.first_call_timeout
+        version = self.versions.for_request()
+        if version != self.api_version:
+            self._use_version(version)
+        started = self._clock()
+        try:
+            response = self._retrying("GET", self.events_url, max(deadline, first), None, self._headers,
+                                      attempt_timeout=first)
+        except ImdsError as exc:
+            fallback = self.versions.unavailable(version, exc.status or 0)
+            if fallback is None:  # api_version "auto" and 2024-07-09 is not served here: again with 2020-07-01
+                raise
+            self._use_version(fallback)
+            version = fallback
+            response = self._retrying("GET", self.events_url, max(deadline, first), None, self._headers,
+                                      attempt_timeout=first)
+        self.versions.answered(version)
+        self._answered = True
+        return Fetch(response.status, response.body, response.headers.get("etag"), self._clock() - started)
+
     @property
     def api_version(self) -> str:
         """The api-version requests use now (with "auto", the one it settled on)."""
@@ -374,8 +406,9 @@ class ImdsClient:
 
     # -- internals -----------------------------------------------------------------------------
     def _retrying(self, method: str, url: str, deadline: float | None, body: bytes | None,
-                  headers: dict[str, str]) -> _Response:
+                  headers: dict[str, str], *, attempt_timeout: float | None = None) -> _Response:
         budget = self.retry_deadline if deadline is None else deadline
+        per_attempt = self.timeout if attempt_timeout is None else attempt_timeout
         raw = self._pool.encode(method, url, headers, body)
         started = self._clock()
         gone_since: float | None = None
@@ -384,7 +417,7 @@ class ImdsClient:
             now = self._clock()
             left = budget - (now - started)
             try:
-                response = self._send(method, url, max(0.05, min(self.timeout, left)), raw)
+                response = self._send(method, url, max(0.05, min(per_attempt, left)), raw)
             except ImdsError as exc:
                 error = exc
             else:

@@ -108,6 +108,15 @@ def test_auto_approval_before_any_poll_falls_back() -> None:
         assert emu.document(GA_SE_VERSION)["Events"][0]["EventStatus"] == "Started"
 
 
+def test_auto_approval_read_falls_back_and_settles() -> None:
+    """The approval's retried read: a 404 is no transient answer, it means the older version at once."""
+    with Emulator(max_api_version=GA_SE_VERSION) as emu, ImdsClient(emu.url, "auto") as client:
+        event_id = emu.schedule(type="Reboot")
+        fetch = client.read_scheduled_events()
+        assert fetch.status == 200 and [e.event_id for e in parse_document(fetch.body or b"").events] == [event_id]
+        assert client.api_version == FALLBACK and se_requests(emu) == {"404": 1, "200": 1}
+
+
 def test_config_accepts_auto_and_2024_07_09_and_names_the_choices(tmp_path: Path) -> None:
     from forwarder.errors import ConfigError
 

@@ -98,3 +98,32 @@ def _spawn(*args: str) -> subprocess.Popen[str]:
     env["PYTHONPATH"] = str(ROOT)
     return subprocess.Popen([sys.executable, "-m", "forwarder", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=str(ROOT))
+
+
+def test_sefwd_approve_retries_a_throttled_or_failed_document_read_within_the_budget(tmp_path: Path) -> None:
+    """One 429 (IMDS's 5/s is shared with the agent), a 503, a dropped connection and a 410 before the
+    document: `sefwd approve` still approves, each retry waiting its turn in the one-shot budget.
+
+    Two drops: the transport sends a request once more at once when a kept-alive connection closes
+    unanswered (the server dropped an idle connection); the second drop, on a new connection, is the
+    connection error the approval's read retries."""
+    # The emulator allows 1 request/s: the one-shot command's share, so a retry sent early is a 429 more.
+    with Emulator(vms=[VM], rate_limit=1) as emu:
+        event = emu.schedule(type="Reboot", resources=[VM], not_before="+15m")
+        config = write_config(tmp_path / "c.toml", emu.vm_url(VM), tmp_path / "state")
+        for fault in ({"kind": "status", "status": 429, "retry_after": "0"}, {"kind": "status", "status": 503},
+                      {"kind": "drop"}, {"kind": "drop"}, {"kind": "status", "status": 410}):
+            emu.inject_fault(**fault, path="scheduledevents", method="GET")
+        started = time.monotonic()
+        result = sefwd("approve", event, "--config", str(config))
+        took = time.monotonic() - started
+        stats = emu.stats()
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"approved {event}" in result.stdout
+    assert stats["faults_pending"] == [] and [p["event_ids"] for p in stats["start_requests"]] == [[event]]
+    counts = stats["requests"][VM]
+    # instance metadata, 5 failed reads and the good one, the POST: nothing more, and no 429 but the injected one.
+    assert counts["by_endpoint"] == {"instance": 1, "scheduledevents": 7}, counts
+    assert counts["by_status"].get("429") == 1, counts
+    # 7 turns of the budget (the two drops share one) at 1 per window: at least 6 windows apart.
+    assert took >= 6 * BUDGET_WINDOW * 0.95
