@@ -97,7 +97,7 @@ def unit_tests_and_shipped_configs(minor: str, tmp_path: Path, tmp_path_factory:
     # The checkout's unit tests with this interpreter (the checkout's code first on sys.path, as in CI);
     # mypy is left to the main run (it checks the 3.10 target from any interpreter).
     env = clean_env(SEFWD_HYPOTHESIS="dev", PYTHONPATH=str(ROOT))
-    done = subprocess.run([str(bin_dir / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "4",
+    done = subprocess.run([str(bin_dir / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
                            "--deselect", "tests/unit/test_typecheck.py::test_mypy_clean", "tests/unit"],
                           capture_output=True, text=True, timeout=1200, env=env, cwd=str(ROOT))
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
