@@ -25,9 +25,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-def sefwd(*args: str, prefix: tuple[str, ...] = (), timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def sefwd(*args: str, prefix: tuple[str, ...] = (), timeout: float = 60, root: Path = ROOT,
+          ) -> subprocess.CompletedProcess[str]:
+    env = {**_env(), "PYTHONPATH": str(root)}
     return subprocess.run([*prefix, sys.executable, "-m", "forwarder", *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env(), cwd=str(ROOT))
+                          timeout=timeout, env=env, cwd=str(root))
 
 
 def one_clear_line(stderr: str) -> str:
@@ -50,6 +52,30 @@ def public_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _as_nobody(public_dir: Path) -> tuple[tuple[str, ...], Path]:
+    """The setpriv prefix that runs a command as nobody, and a copy of the code nobody can read.
+
+    The checkout may sit where nobody cannot read it (a clone in a 0700 `mktemp -d` directory, or in
+    /root): the code the command runs is copied under ``public_dir``. The interpreter cannot be copied;
+    when nobody cannot run it (a venv under /root), the test is skipped and says so.
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv (util-linux): cannot drop privileges to test EACCES")
+    prefix = (setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+    code = public_dir / "code"
+    for package in ("forwarder", "sinks"):
+        shutil.copytree(ROOT / package, code / package, ignore=shutil.ignore_patterns("__pycache__"))
+    for path in [code, *code.rglob("*")]:  # the checkout's modes may be 0600/0700 (umask 077)
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    probe = subprocess.run([*prefix, sys.executable, "-c", "import forwarder.agent.cli"], capture_output=True,
+                           text=True, timeout=60, env={**_env(), "PYTHONPATH": str(code)}, cwd=str(code))
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"nobody cannot run this interpreter ({sys.executable}): {last}")
+    return prefix, code
+
+
 @pytest.mark.parametrize("command", [("status",), ("status", "--json"), ("deadletter", "list")])
 def test_unreadable_state_dir_is_one_line_and_exit_1(public_dir, command):
     state = public_dir / "state"
@@ -60,17 +86,15 @@ def test_unreadable_state_dir_is_one_line_and_exit_1(public_dir, command):
     config.write_text(f'[state]\ndir = "{state}"\n')
     config.chmod(0o644)
     prefix: tuple[str, ...] = ()
+    root = ROOT
     if os.geteuid() == 0:
         # Root reads everything (CI runs as root): run the command as nobody, as a user without access
         # would. (setpriv, not os.setuid in a preexec_fn: the latter cannot exec a pyenv python under /root.)
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("running as root without setpriv (util-linux): cannot drop privileges to test EACCES")
-        prefix = (setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+        prefix, root = _as_nobody(public_dir)
     else:
         state.chmod(0o000)
     try:
-        res = sefwd(*command, "--config", str(config), prefix=prefix)
+        res = sefwd(*command, "--config", str(config), prefix=prefix, root=root)
     finally:
         state.chmod(0o700)
     assert res.returncode == EXIT_FAILURE, res.stderr
