@@ -6,9 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,6 @@ import pytest
 from tests.agent import ROOT, closed_port, wait_until
 
 EXIT_FAILURE, EXIT_CONFIG, EXIT_INTERRUPTED = 1, 2, 130
-NOBODY = 65534
 
 
 def _env() -> dict[str, str]:
@@ -25,11 +22,9 @@ def _env() -> dict[str, str]:
     return env
 
 
-def sefwd(*args: str, prefix: tuple[str, ...] = (), timeout: float = 60, root: Path = ROOT,
-          ) -> subprocess.CompletedProcess[str]:
-    env = {**_env(), "PYTHONPATH": str(root)}
+def sefwd(*args: str, prefix: tuple[str, ...] = (), timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*prefix, sys.executable, "-m", "forwarder", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=str(root))
+                          timeout=timeout, env=_env(), cwd=str(ROOT))
 
 
 def one_clear_line(stderr: str) -> str:
@@ -41,60 +36,42 @@ def one_clear_line(stderr: str) -> str:
 
 
 
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A directory another user can traverse (pytest's tmp_path lives under a 0700 directory)."""
-    path = Path(tempfile.mkdtemp(prefix="sefwd-perm-"))
-    path.chmod(0o755)
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _as_nobody(public_dir: Path) -> tuple[tuple[str, ...], Path]:
-    """The setpriv prefix that runs a command as nobody, and a copy of the code nobody can read.
-
-    The checkout may sit where nobody cannot read it (a clone in a 0700 `mktemp -d` directory, or in
-    /root): the code the command runs is copied under ``public_dir``. The interpreter cannot be copied;
-    when nobody cannot run it (a venv under /root), the test is skipped and says so.
-    """
+def _without_capabilities(closed: Path) -> tuple[str, ...]:
+    """The setpriv prefix that runs a command as root with no capability; skips when that cannot be done."""
     setpriv = shutil.which("setpriv")
     if setpriv is None:
-        pytest.skip("running as root without setpriv (util-linux): cannot drop privileges to test EACCES")
-    prefix = (setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
-    code = public_dir / "code"
-    for package in ("forwarder", "sinks"):
-        shutil.copytree(ROOT / package, code / package, ignore=shutil.ignore_patterns("__pycache__"))
-    for path in [code, *code.rglob("*")]:  # the checkout's modes may be 0600/0700 (umask 077)
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    probe = subprocess.run([*prefix, sys.executable, "-c", "import forwarder.agent.cli"], capture_output=True,
-                           text=True, timeout=60, env={**_env(), "PYTHONPATH": str(code)}, cwd=str(code))
-    if probe.returncode != 0:
-        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        pytest.skip(f"nobody cannot run this interpreter ({sys.executable}): {last}")
-    return prefix, code
+        pytest.skip("running as root without setpriv (util-linux): cannot drop root's capabilities to test EACCES")
+    prefix = (setpriv, "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all")
+    closed.chmod(0o000)
+    try:
+        probe = subprocess.run([*prefix, sys.executable, "-c", f"import os; os.listdir({str(closed)!r})"],
+                               capture_output=True, text=True, timeout=60)
+    finally:
+        closed.chmod(0o700)
+    if "PermissionError" not in probe.stderr:
+        last = (probe.stderr.strip().splitlines() or [f"exit {probe.returncode}"])[-1]
+        pytest.skip(f"cannot drop root's capabilities here (a container without CAP_SETPCAP?): {last}")
+    return prefix
 
 
 @pytest.mark.parametrize("command", [("status",), ("status", "--json"), ("deadletter", "list")])
-def test_unreadable_state_dir_is_one_line_and_exit_1(public_dir, command):
-    state = public_dir / "state"
+def test_unreadable_state_dir_is_one_line_and_exit_1(tmp_path, command):
+    state = tmp_path / "state"
     state.mkdir(mode=0o700)
     (state / "agent.lock").write_bytes(b"")
     (state / "state.db").write_bytes(b"")
-    config = public_dir / "c.toml"
+    config = tmp_path / "c.toml"
     config.write_text(f'[state]\ndir = "{state}"\n')
-    config.chmod(0o644)
     prefix: tuple[str, ...] = ()
-    root = ROOT
     if os.geteuid() == 0:
-        # Root reads everything (CI runs as root): run the command as nobody, as a user without access
-        # would. (setpriv, not os.setuid in a preexec_fn: the latter cannot exec a pyenv python under /root.)
-        prefix, root = _as_nobody(public_dir)
-    else:
-        state.chmod(0o000)
+        # Root reads everything (CI runs as root) by its capabilities, not by being uid 0: the command runs
+        # as root without any capability, for which a 0000 directory of its own is as closed as for
+        # anyone. (Not as another user: the checkout and the venv may sit where only root can read, such
+        # as a clone in a 0700 `mktemp -d` directory or in /root.)
+        prefix = _without_capabilities(state)
+    state.chmod(0o000)
     try:
-        res = sefwd(*command, "--config", str(config), prefix=prefix, root=root)
+        res = sefwd(*command, "--config", str(config), prefix=prefix)
     finally:
         state.chmod(0o700)
     assert res.returncode == EXIT_FAILURE, res.stderr
