@@ -152,7 +152,8 @@ def run(sizes: Sizes, minutes: float | None = None) -> dict[str, Any]:
             proc = spawn_agent(emu, vm_dir, "soak", body, env, stdout=stdout,
                                wrapper=[str(ROOT / "benchmarks" / "soak_trace.py"), trace_dir] if trace_dir else None)
             try:
-                if first_gets.wait("soak", 60, lambda: proc.poll() is None) is None:
+                # Under tracemalloc every import is several times slower (the Azure SDKs: minutes).
+                if first_gets.wait("soak", 600 if trace_dir else 60, lambda: proc.poll() is None) is None:
                     raise RuntimeError(f"the agent made no Scheduled Events GET: see {vm_dir / 'agent.log'}")
                 figures = _soak(emu, proc, minutes)
                 times = psutil.Process(proc.pid).cpu_times()  # every thread's, also those that ended

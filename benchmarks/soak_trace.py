@@ -11,7 +11,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
-FRAMES = 12
+FRAMES = 6
 EVERY_S = 60.0
 
 

@@ -1,12 +1,15 @@
 """The `sefwd` command line, run as a real subprocess."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import tomllib
+from datetime import datetime, timedelta
 
 import orjson
+import pytest
 
 from forwarder.emulator import Emulator
 from forwarder.store.database import Store
@@ -22,10 +25,16 @@ def sefwd(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -
                           timeout=timeout, env=full_env, cwd=str(ROOT))
 
 
-def test_demo_prints_scheduled_started_completed_on_stdout_only():
+@pytest.fixture(scope="module")
+def demo_json() -> subprocess.CompletedProcess[str]:
+    """One `sefwd demo --json` run, read by the tests below."""
     # Faster than a human sees it, with every change still two polls (>= 1 s) from the next: at 0.5 the
     # Reboot's completion and the Redeploy's cancel can share one poll (an incarnation jump: "ended").
-    done = sefwd("demo", "--json", "--time-scale", "0.75", timeout=180)
+    return sefwd("demo", "--json", "--time-scale", "0.75", timeout=180)
+
+
+def test_demo_prints_scheduled_started_completed_on_stdout_only(demo_json):
+    done = demo_json
     assert done.returncode == 0, done.stderr[-2000:]
     records = [orjson.loads(line) for line in done.stdout.splitlines()]
     types = [r["type"] for r in records]
@@ -33,6 +42,38 @@ def test_demo_prints_scheduled_started_completed_on_stdout_only():
         assert t in types
     assert types[0] == "forwarder.started" and types[-1] == "forwarder.stopped"
     assert "sefwd demo" in done.stderr  # logs and banners go to stderr, never stdout
+
+
+def test_demo_shows_protection_in_the_same_timeline(demo_json):
+    """The probe turns 503 and back, the drain is planned at NotBefore - 4s and runs before the Reboot is
+    approved, its undo runs after, and the people on call get a message (stderr, beside the records)."""
+    done = demo_json
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [orjson.loads(line) for line in done.stdout.splitlines()]
+    reboot = "B2D1C6E8-0002-4C5D-9E8F-000000000002"
+    scheduled = next(r for r in records if r["type"] == "scheduledevent.scheduled" and r["subject"] == reboot)
+    mine = [r for r in records if r["type"].startswith("approval.") and r["subject"] == reboot]
+    planned = next(r for r in mine if r["type"] == "approval.planned" and r["data"]["Action"]["HookName"] == "scheduled")
+    not_before = datetime.fromisoformat(scheduled["data"]["NotBefore"].replace("Z", "+00:00"))
+    due = datetime.fromisoformat(planned["data"]["Action"]["Due"].replace("Z", "+00:00"))
+    # NotBefore - 4s, or at once when less than 4 s are left (the demo runs at --time-scale 0.75 here).
+    at_once = datetime.fromisoformat(planned["time"].replace("Z", "+00:00"))
+    assert abs((due - max(not_before - timedelta(seconds=4), at_once)).total_seconds()) < 0.5, (due, not_before, at_once)
+    assert (not_before - due).total_seconds() <= 4
+    order = [(r["type"], r["data"]["Action"]["HookName"] if r["data"].get("Action") else None) for r in mine]
+    ran, approved = order.index(("approval.ran", "scheduled")), order.index(("approval.approved", None))
+    assert ran < approved < order.index(("approval.ran", "completed"))  # drain, approval, undo
+    assert mine[ran]["data"]["Hook"]["Output"].startswith("draining Reboot B2D1C6E8")
+    lines = done.stderr.splitlines()
+    probe = [line.split("  ", 2)[2] for line in lines if "  probe  " in line]
+    assert [p[:3] for p in probe] == ["503", "503", "200"] and "maintenance: Reboot B2D1C6E8" in probe[0]
+    assert "settling" in probe[1]
+    if importlib.util.find_spec("apprise") is not None:  # the [notify] extra (in the test extra)
+        titles = [line.split("  ", 2)[2] for line in lines if "  notify  " in line]
+        assert len(titles) == 2 and titles[0].startswith("Reboot of demo-vm-0 scheduled")  # "in 4 s" or "now"
+        assert titles[1] == "Reboot of demo-vm-0 completed"
+    else:
+        assert "pip install 'scheduled-events-forwarder[notify]'" in done.stderr
 
 
 def test_config_example_is_valid_and_check_lists_every_problem(tmp_path):
