@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import os
 import subprocess
-import sys
 import threading
 import time
 from contextlib import ExitStack
@@ -26,6 +25,7 @@ from benchmarks.agents import FirstGets, spawn_agent, stop_agents
 from benchmarks.common import ROOT, Sizes, goal, result, scratch_dir
 from benchmarks.footprint import QUIET_SDK_ENV
 from benchmarks.peers.appinsights_peer import AppInsightsPeer
+from benchmarks.peers.eventgrid_peer import KEY, EventGridPeer
 from benchmarks.peers.eventhubs_peer import EventHubsPeer
 from benchmarks.peers.logs_ingestion import LogsIngestionPeer, emulator_tokens
 from benchmarks.peers.webhook_receiver import ReceivedRequest, Reply, WebhookReceiver
@@ -108,9 +108,6 @@ def run(sizes: Sizes, minutes: float | None = None) -> dict[str, Any]:
         chat = stack.enter_context(WebhookReceiver(200))
         logs = stack.enter_context(LogsIngestionPeer(token_validator=emulator_tokens(emu)))
         appinsights = stack.enter_context(AppInsightsPeer(work))
-        sys.path.insert(0, str(ROOT))
-        from tests.peers.eventgrid_peer import KEY, EventGridPeer
-
         eventgrid = stack.enter_context(EventGridPeer())
         eventhubs = None
         missing_peers = []
