@@ -143,6 +143,8 @@ def run(sizes: Sizes, minutes: float | None = None) -> dict[str, Any]:
                 '[probe]\nlisten = "127.0.0.1:0"\nsettle = "1s"\n'
                 '[approval]\n[approval.hooks]\nscheduled = ["true"]\ncompleted = ["true"]\n'
                 '[[approval.rules]]\nname = "freeze"\nevent_type = "Freeze"\naction = "approve"\n' + sinks)
+        # Allocator experiments (MALLOC_ARENA_MAX=2, MALLOC_TRIM_THRESHOLD_=...) reach the agent.
+        env.update({k: v for k, v in os.environ.items() if k.startswith("MALLOC_")})
         trace_dir = os.environ.get(TRACE_ENV)
         vm_dir.mkdir(parents=True, exist_ok=True)
         with open(stdout_path, "wb") as stdout:
