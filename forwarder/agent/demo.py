@@ -22,6 +22,7 @@ _DRAIN = ("import os; print('draining', os.environ['SEFWD_EVENT_TYPE'], os.envir
           "'with', os.environ['SEFWD_SECONDS_LEFT'], 's left')")
 _UNDO = "import os; print('back in service after', os.environ['SEFWD_EVENT_TYPE'], os.environ['SEFWD_EVENT_ID'][:8])"
 PROTECTED = ["Reboot", "Redeploy", "Preempt", "Terminate"]
+DRAIN_LEAD_S = 5  # the drain is due at NotBefore - 5 s: a second after the scenario's Reboot appears
 
 
 def notify_available() -> bool:
@@ -30,17 +31,18 @@ def notify_available() -> bool:
 
 
 def protection_config(state_dir: Path, inbox_url: str | None) -> dict[str, Any]:
-    """The demo's protection, as a config file would say it: the probe, a drain two seconds after the
-    event appears (``NotBefore - 4s`` of the scenario's 6 s notice) approved once it ran, its undo, and a
+    """The demo's protection, as a config file would say it: the probe, a drain a second after the
+    event appears (``NotBefore - 5s`` of the scenario's 6 s notice) approved once it ran, its undo, and a
     notify sink posting to the demo's own inbox (``inbox_url``, None without the ``[notify]`` extra)."""
     drain = [sys.executable, "-c", _DRAIN]
     undo = {"command": [sys.executable, "-c", _UNDO], "event_types": ["Reboot"]}
     config: dict[str, Any] = {
-        "probe": {"listen": "127.0.0.1:0", "settle": "1s", "state_file": str(state_dir / "maintenance.json")},
+        # No settle time: the probe serves again as the Reboot ends, and the demo need not wait for it.
+        "probe": {"listen": "127.0.0.1:0", "settle": "0s", "state_file": str(state_dir / "maintenance.json")},
         "approval": {
             "deadline_margin": "1s",  # the drain must end 1 s before NotBefore (SEFWD_SECONDS_LEFT)
             # Reboot only: the scenario's Redeploy is another VM's, and hooks (today) run for every event.
-            "hooks": {"scheduled": {"command": drain, "at": "notbefore - 4s", "event_types": ["Reboot"]},
+            "hooks": {"scheduled": {"command": drain, "at": f"notbefore - {DRAIN_LEAD_S}s", "event_types": ["Reboot"]},
                       "completed": undo, "canceled": undo, "ended": undo},
             "rules": [
                 {"name": "short-freeze", "action": "approve", "event_type": "Freeze", "event_status": "Scheduled",
@@ -69,6 +71,7 @@ class Narrator:
         self.clock = clock
         self._lock = threading.Lock()
         self._probe_state: str | None = None
+        self._messages = 0
         self.inbox: _Inbox | None = None
 
     def line(self, what: str, text: str) -> None:
@@ -110,9 +113,11 @@ class Narrator:
         return self.inbox.url
 
     def message(self, title: str, body: str) -> None:
-        lines = [line for line in body.splitlines() if line.strip()]
-        self.line("notify", " │ ".join([title, *lines]) if len(lines) <= 1 else title)
-        for line in lines if len(lines) > 1 else []:
+        """The first message in full (what people read), later ones by their title: a short timeline."""
+        with self._lock:
+            first, self._messages = self._messages == 0, self._messages + 1
+        self.line("notify", title)
+        for line in [line for line in body.splitlines() if line.strip()] if first else []:
             print(f"{'':22}│ {line}", file=self.out, flush=True)
 
     def close(self) -> None:
@@ -141,7 +146,8 @@ class _Inbox:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="demo-inbox", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="demo-inbox", daemon=True)  # shutdown() waits one poll
         self._thread.start()
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}/people"
 
