@@ -17,7 +17,6 @@ from forwarder.imds.identity import VmIdentity
 from forwarder.imds.client import ImdsClient
 from forwarder.agent.poller import Poller
 from forwarder.records import RecordFactory, rfc3339, utcnow
-from forwarder.common.memory import MemoryTrimmer
 from forwarder.common.retry import Backoff
 from forwarder.store.recovery import Loss, lock_state_dir, open_agent_store
 from forwarder.sinkapi import Sink, SinkContext, load_sink_factory
@@ -274,7 +273,6 @@ class Agent:
                                           interval=cfg.agent.status_interval)
                 reporter.write()
                 reporter.start()
-                MemoryTrimmer(self.stop).start()  # a long run's RSS follows what it uses (forwarder.common.memory)
                 poller.on_first_answer = reporter.write  # "waiting for IMDS" ends in the report at once
                 if cfg.agent.heartbeat_file is not None:  # set by the Azure VM extension
                     heartbeat_file = HeartbeatFile(cfg.agent.heartbeat_file, lambda: self.snapshot(dispatcher, poller),
