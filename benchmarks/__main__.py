@@ -20,6 +20,8 @@ from benchmarks.plots import draw
 
 BENCHMARKS = ("poll_cost", "footprint", "latency", "journal", "backlog", "fleet", "eventhubs_send", "probe",
               "approver_state", "action_wakeup", "notice_window", "hold")
+# Run only when named (--only): an hour by default.
+ON_REQUEST = ("soak",)
 
 
 def _at(value: Any, path: str) -> Any:
@@ -183,13 +185,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="smaller sizes: the whole run takes about 3 minutes (goal: under 10)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, only checks that everything runs")
-    parser.add_argument("--only", action="append", choices=BENCHMARKS, metavar="NAME",
-                        help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
+    parser.add_argument("--only", action="append", choices=BENCHMARKS + ON_REQUEST, metavar="NAME",
+                        help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS + ON_REQUEST)} "
+                             "(soak only when named)")
+    parser.add_argument("--minutes", type=float, metavar="N",
+                        help="how long the soak runs (default 60; --quick 10, --smoke 1)")
     parser.add_argument("--out", type=Path, help="results file (default benchmarks/results/tmp/latest.json, ignored by git)")
     parser.add_argument("--record", action="store_true",
                         help="rewrite the committed benchmarks/results/latest.json and its plots (a full or --quick run of every benchmark)")
     parser.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots (written beside the results file)")
     args = parser.parse_args(argv)
+    if args.minutes is not None and not 0 < args.minutes < float("inf"):
+        parser.error(f"--minutes must be a positive number, got {args.minutes:g}")
     args.out = results_file(parser, "latest.json", record=args.record, out=args.out, smoke=args.smoke, partial=bool(args.only))
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)  # expected warnings (fresh cursors, http) are noise here
 
@@ -199,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         start = time.monotonic()
         try:
-            results[name] = importlib.import_module(f"benchmarks.{name}").run(sizes)
+            module = importlib.import_module(f"benchmarks.{name}")
+            results[name] = module.run(sizes, minutes=args.minutes) if name == "soak" else module.run(sizes)
         except Exception as exc:  # one broken benchmark must not cost the others' figures
             traceback.print_exc()
             results[name] = {"figures": {}, "goals": [{"goal": "the benchmark ran to the end", "pass": False}],

@@ -15,11 +15,12 @@ from forwarder.emulator import Emulator
 
 def spawn_agent(emu: Emulator, vm_dir: Path, vm: str, body: str, env: dict[str, str] | None = None,
                 *, poll_interval_ms: int | None = None, stdout: int | IO[bytes] = subprocess.DEVNULL,
-                ) -> subprocess.Popen[bytes]:
+                wrapper: list[str] | None = None) -> subprocess.Popen[bytes]:
     """`python -m forwarder run` on emulator VM ``vm``, state and log (``agent.log``) under ``vm_dir``.
 
     ``body`` is the config after [imds], [state] and [agent] (sinks, telemetry); heartbeats are off
-    so that an idle agent only polls.
+    so that an idle agent only polls. ``wrapper``: a script (and its arguments) run instead of
+    ``-m forwarder``, given the CLI's arguments after them.
     """
     vm_dir.mkdir(parents=True, exist_ok=True)
     config = vm_dir / "sefwd.toml"
@@ -31,7 +32,7 @@ def spawn_agent(emu: Emulator, vm_dir: Path, vm: str, body: str, env: dict[str, 
     )
     full_env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(vm_dir), **(env or {})}
     with open(vm_dir / "agent.log", "ab") as err:
-        return subprocess.Popen([sys.executable, "-m", "forwarder", "run", "--config", str(config)],
+        return subprocess.Popen([sys.executable, *(wrapper or ["-m", "forwarder"]), "run", "--config", str(config)],
                                 stdout=stdout, stderr=err, env=full_env, cwd=str(ROOT))
 
 

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 EXTRA_HINT = "install it with: pip install 'scheduled-events-forwarder[notify]'"
 DEFAULT_TIMEOUT = "15s"
 MAX_TARGETS = 20
+MAX_REMEMBERED = 1024  # records whose per-target progress is kept across retries (a batch is at most a few hundred)
 _STATUS = re.compile(r"error=(\d{3})\b")
 _CONNECTION = re.compile(r"connection error|socket exception|connection refused|name or service", re.I)
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -46,13 +47,25 @@ class _HideTargetSecrets(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self.secrets: set[str] = set()
+        # Per open sink, so that a closed sink's tokens leave the list: it holds what the open ones use, however
+        # many sinks were made and closed in this process (a replay, a test, a reload).
+        self._by_sink: dict[int, frozenset[str]] = {}
+        self.secrets: frozenset[str] = frozenset()
+
+    def add(self, owner: object, secrets: set[str]) -> None:
+        self._by_sink[id(owner)] = self._by_sink.get(id(owner), frozenset()) | secrets
+        self.secrets = frozenset().union(*self._by_sink.values())
+
+    def remove(self, owner: object) -> None:
+        self._by_sink.pop(id(owner), None)
+        self.secrets = frozenset().union(*self._by_sink.values())
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if self.secrets:
+        secrets = self.secrets  # one immutable set, swapped whole: no lock against add/remove
+        if secrets:
             text = record.getMessage()
             hidden = text
-            for secret in self.secrets:
+            for secret in secrets:
                 hidden = hidden.replace(secret, "***")
             if hidden != text:
                 record.msg, record.args = hidden, ()
@@ -205,12 +218,14 @@ class NotifySink:
         self._renderer = MessageRenderer(options.get("templates"), self.format)
         self._targets: list[tuple[str, Any]] = []
         for index, url in enumerate(load_urls(options), 1):
-            _HIDE.secrets |= url_secrets(url)
+            _HIDE.add(self, url_secrets(url))
             plugin = apprise.Apprise.instantiate(url, asset=_asset(apprise))
             one = apprise.Apprise(asset=_asset(apprise))
             one.add(plugin)
             self._targets.append((f"target {index} ({getattr(plugin, 'service_name', None) or scheme_of(url)})", one))
-        self._done: dict[str, set[int]] = {}  # record id -> targets that took it (kept across a retry)
+        # record id -> targets that took it / refused it, kept across a retry of the same records; bounded
+        # (MAX_REMEMBERED, oldest first out): a record dead-lettered or evicted while retried is never sent again.
+        self._done: dict[str, set[int]] = {}
         self._refused: dict[str, dict[int, Reject]] = {}
         self._lock = threading.Lock()
 
@@ -290,6 +305,7 @@ class NotifySink:
                 elif isinstance(result, Reject):
                     rejects[index] = result
                 else:
+                    self._forget_oldest()
                     return result  # keep the order: later records wait for this one
             refused += rejects.values()
         if not refused or len(batch) == 1:
@@ -297,10 +313,17 @@ class NotifySink:
             for record in batch:
                 self._done.pop(record.id, None)
                 self._refused.pop(record.id, None)
+        self._forget_oldest()
         if refused:
             first = refused[0]
             return Reject(reason=first.reason, detail="; ".join(r.detail for r in refused))
         return Ok()
+
+    def _forget_oldest(self) -> None:
+        """Keep at most MAX_REMEMBERED records' progress: the oldest are records the dispatcher gave up on."""
+        for table in (self._done, self._refused):
+            while len(table) > MAX_REMEMBERED:
+                del table[next(iter(table))]  # dicts keep insertion order: the oldest first
 
     def _notify(self, label: str, target: Any, message: Any) -> Result:
         answer = target.notify(body=message.body, title=message.title, notify_type=message.notify_type,
@@ -325,8 +348,11 @@ class NotifySink:
         return Retry(reason=reason)
 
     def close(self) -> None:
-        """Nothing to release: Apprise opens a connection per message."""
+        """Forget the targets and their tokens (Apprise opens a connection per message: nothing else to release)."""
         self._targets = []
+        self._done.clear()
+        self._refused.clear()
+        _HIDE.remove(self)
 
 
 def _logs(answer: Any) -> list[Any]:

@@ -318,7 +318,8 @@ def _print_records(records: Sequence[object], pretty: bool) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from forwarder.agent.config import SinkConfig, load_config
+    from forwarder.agent.config import SinkConfig, load_config, parse_config
+    from forwarder.agent.demo import Narrator, notify_available, protection_config
     from forwarder.emulator import Emulator, load_scenario
     from forwarder.agent.service import Agent
 
@@ -329,16 +330,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
     stop = threading.Event()
     _install_signals(stop)
     emulator_ = Emulator(scenario=scenario, time_scale=args.time_scale)
+    narrator = Narrator()
     with tempfile.TemporaryDirectory(prefix="sefwd-demo-") as tmp, emulator_ as emulator:
         sinks = config.sinks if args.config else (SinkConfig(type="stdout", name="stdout", options={}),)
-        approval = config.approval
-        if not approval.rules:
+        approval, probe = config.approval, config.probe
+        if not args.config:  # the built-in demo shows protection too: forwarder.agent.demo
+            inbox = narrator.open_inbox() if notify_available() else None
+            shown = parse_config({**protection_config(Path(tmp), inbox), "state": {"dir": tmp}}, {}, "sefwd demo")
+            approval, probe, sinks = shown.approval, shown.probe, shown.sinks
+            if inbox is None:
+                print("sefwd demo: pip install 'scheduled-events-forwarder[notify]' to see the messages people get",
+                      file=sys.stderr)
+        elif not approval.rules:
             from forwarder.approval.policy import DEMO_RULES
 
             approval = dataclasses.replace(approval, rules=DEMO_RULES)
         config = dataclasses.replace(
             config,
             approval=approval,
+            probe=probe,
             imds=dataclasses.replace(config.imds, endpoint=emulator.url, poll_interval=0.5, first_call_timeout=10.0),
             state=dataclasses.replace(config.state, dir=Path(tmp) / "state"),
             agent=dataclasses.replace(config.agent, heartbeat=0.0),
@@ -349,13 +359,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
         result: dict[str, int] = {}
         runner = threading.Thread(target=lambda: result.setdefault("rc", agent.run()), name="agent", daemon=True)
         runner.start()
+        if agent.ready.wait(10) and agent.maintenance is not None and agent.maintenance.probe is not None:
+            agent.maintenance.tracker.add_listener(narrator.watch_probe(agent.maintenance.probe.url))
         finished = _wait_finished(emulator, stop, args.timeout)
         interrupted = stop.is_set()
         if finished and not interrupted and agent.ready.wait(10) and agent.poller is not None:
             # One more poll after the scenario ended, so the last removal is seen.
             agent.poller.wait_for_polls(agent.poller.stats.polls + 2, 10)
+            # And until the probe serves again after the last event's settle time (the demo's is 1 s).
+            deadline = time.monotonic() + probe.settle + 2
+            while not narrator.probe_serving() and time.monotonic() < deadline and not stop.wait(0.1):
+                pass
         stop.set()
         runner.join(30)
+        narrator.close()
         records, events = _demo_counts(agent, emulator)
         signum = _RECEIVED[-1] if _RECEIVED else signal.SIGINT
         how = ("stopped by " + ("Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name) if interrupted

@@ -113,5 +113,23 @@ def render_pretty(event: dict[str, Any]) -> str:
         parts += _scheduled_event(event, data)
     else:
         # approval.* and forwarder.* (and any future family): its own scalar data fields, in order.
-        parts += _key_fields(data)
+        parts += _key_fields(data) + _action(data)
     return "  ".join(parts)
+
+
+def _action(data: dict[str, Any]) -> list[str]:
+    """For an action's audit record: which hook, when it is due, and what it said (first line)."""
+    parts = []
+    action, hook = data.get("Action"), data.get("Hook")
+    if isinstance(action, dict):
+        if action.get("HookName"):
+            parts.append(f"Hook {as_text(action['HookName'])}")
+        if action.get("Due") and data.get("Outcome") == "planned":
+            parts.append(f"Due {_time(action['Due'])}")
+    if isinstance(hook, dict):
+        if isinstance(hook.get("ExitCode"), int):
+            parts.append(f"ExitCode {hook['ExitCode']}")
+        output = next((line for line in str(hook.get("Output") or "").splitlines() if line.strip()), "")
+        if output:
+            parts.append(f"Output {as_text(output[:120])!r}")
+    return parts

@@ -73,8 +73,8 @@ def test_benchmarks_import_no_test_module() -> None:
     """`pip install -e .[bench]` is enough: no benchmark imports tests/ (their peers live in benchmarks/peers)."""
     # Every module but seed_loop, a script that reads argv when imported.
     code = ("import importlib, sys\n"
-            "from benchmarks.__main__ import BENCHMARKS\n"
-            "for name in (*BENCHMARKS, '__main__', 'plots', 'agents', 'common', 'eventhubs_before'):\n"
+            "from benchmarks.__main__ import BENCHMARKS, ON_REQUEST\n"
+            "for name in (*BENCHMARKS, *ON_REQUEST, '__main__', 'plots', 'agents', 'common', 'eventhubs_before'):\n"
             "    importlib.import_module(f'benchmarks.{name}')\n"
             "print(sorted(m for m in sys.modules if m == 'tests' or m.startswith('tests.')))\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -157,3 +157,26 @@ def test_smoke_suite_runs_every_benchmark_writes_the_summary_and_draws_the_plots
     for png in ("latency.png", "footprint.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
     assert "summary" in proc.stdout
+
+
+@pytest.mark.slow
+def test_soak_benchmark_reports_the_rss_slope_and_every_sinks_missing_records(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--smoke", "--only", "soak", "--minutes", "0.5",
+                           "--no-plots", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode in (0, 1), proc.stderr  # 1 = a goal missed (half a minute has no second-half slope)
+    soak = orjson.loads(out.read_bytes())["results"]["soak"]
+    assert not soak.get("error"), soak
+    figures = soak["figures"]
+    assert figures["events_scheduled"] >= 5 and len(figures["rss_samples"]) >= 2
+    assert {"stdout", "file", "webhook", "loganalytics", "appinsights", "eventgrid", "notify"} <= set(
+        figures["records_missing"])
+    assert figures["records_missing_total"] == 0 and figures["sequence_gaps"] == 0 and figures["records"] > 10
+    assert figures["webhook_requests"] > figures["records"] / 10  # the webhook refused some: it was asked again
+    assert "rss_slope_second_half_mib_per_hour" in figures
+
+
+def test_soak_minutes_must_be_a_positive_number() -> None:
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "soak", "--minutes", "0"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--minutes must be a positive number" in done.stderr

@@ -1,13 +1,17 @@
 """The `sefwd` command line, run as a real subprocess."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from datetime import datetime, timedelta
 
 import orjson
+import pytest
 
 from forwarder.common.compat import tomllib
+from forwarder.agent.demo import DRAIN_LEAD_S
 from forwarder.emulator import Emulator
 from forwarder.store.database import Store
 from tests.agent import ROOT, AgentProcess, read_jsonl, wait_until, write_config
@@ -22,10 +26,16 @@ def sefwd(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -
                           timeout=timeout, env=full_env, cwd=str(ROOT))
 
 
-def test_demo_prints_scheduled_started_completed_on_stdout_only():
-    # Faster than a human sees it, with every change still two polls (>= 1 s) from the next: at 0.5 the
-    # Reboot's completion and the Redeploy's cancel can share one poll (an incarnation jump: "ended").
-    done = sefwd("demo", "--json", "--time-scale", "0.75", timeout=180)
+@pytest.fixture(scope="module")
+def demo_json() -> subprocess.CompletedProcess[str]:
+    """One `sefwd demo --json` run, read by the tests below."""
+    # In real time (about 9 s): at 0.5 the Reboot's completion and the Redeploy's cancel can share one poll (an
+    # incarnation jump: "ended"), and only at full time is the drain due at NotBefore - 5s rather than at once.
+    return sefwd("demo", "--json", timeout=180)
+
+
+def test_demo_prints_scheduled_started_completed_on_stdout_only(demo_json):
+    done = demo_json
     assert done.returncode == 0, done.stderr[-2000:]
     records = [orjson.loads(line) for line in done.stdout.splitlines()]
     types = [r["type"] for r in records]
@@ -33,6 +43,38 @@ def test_demo_prints_scheduled_started_completed_on_stdout_only():
         assert t in types
     assert types[0] == "forwarder.started" and types[-1] == "forwarder.stopped"
     assert "sefwd demo" in done.stderr  # logs and banners go to stderr, never stdout
+
+
+def test_demo_shows_protection_in_the_same_timeline(demo_json):
+    """The probe turns 503 and back, the drain is planned at NotBefore - 5s and runs before the Reboot is
+    approved, its undo runs after, and the people on call get a message (stderr, beside the records)."""
+    done = demo_json
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = [orjson.loads(line) for line in done.stdout.splitlines()]
+    reboot = "B2D1C6E8-0002-4C5D-9E8F-000000000002"
+    scheduled = next(r for r in records if r["type"] == "scheduledevent.scheduled" and r["subject"] == reboot)
+    mine = [r for r in records if r["type"].startswith("approval.") and r["subject"] == reboot]
+    planned = next(r for r in mine if r["type"] == "approval.planned" and r["data"]["Action"]["HookName"] == "scheduled")
+    not_before = datetime.fromisoformat(scheduled["data"]["NotBefore"].replace("Z", "+00:00"))
+    due = datetime.fromisoformat(planned["data"]["Action"]["Due"].replace("Z", "+00:00"))
+    # NotBefore - DRAIN_LEAD_S, or at once when less was left by the time the agent saw the event.
+    lead = timedelta(seconds=DRAIN_LEAD_S)
+    at_once = datetime.fromisoformat(planned["time"].replace("Z", "+00:00"))
+    assert abs((due - max(not_before - lead, at_once)).total_seconds()) < 0.5, (due, not_before, at_once)
+    assert not_before - due <= lead
+    order = [(r["type"], r["data"]["Action"]["HookName"] if r["data"].get("Action") else None) for r in mine]
+    ran, approved = order.index(("approval.ran", "scheduled")), order.index(("approval.approved", None))
+    assert ran < approved < order.index(("approval.ran", "completed"))  # drain, approval, undo
+    assert mine[ran]["data"]["Hook"]["Output"].startswith("draining Reboot B2D1C6E8")
+    lines = done.stderr.splitlines()
+    probe = [line.split("  ", 2)[2] for line in lines if "  probe  " in line]
+    assert [p[:3] for p in probe] == ["503", "200"] and "maintenance: Reboot B2D1C6E8" in probe[0]
+    if importlib.util.find_spec("apprise") is not None:  # the [notify] extra (in the test extra)
+        titles = [line.split("  ", 2)[2] for line in lines if "  notify  " in line]
+        assert len(titles) == 2 and titles[0].startswith("Reboot of demo-vm-0 scheduled")  # "in 4 s" or "now"
+        assert titles[1] == "Reboot of demo-vm-0 completed"
+    else:
+        assert "pip install 'scheduled-events-forwarder[notify]'" in done.stderr
 
 
 def test_config_example_is_valid_and_check_lists_every_problem(tmp_path):

@@ -7,9 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,6 @@ import pytest
 from tests.agent import ROOT, closed_port, wait_until
 
 EXIT_FAILURE, EXIT_CONFIG, EXIT_INTERRUPTED = 1, 2, 130
-NOBODY = 65534
 
 
 def _env() -> dict[str, str]:
@@ -40,36 +37,40 @@ def one_clear_line(stderr: str) -> str:
 
 
 
-@pytest.fixture
-def public_dir() -> Iterator[Path]:
-    """A directory another user can traverse (pytest's tmp_path lives under a 0700 directory)."""
-    path = Path(tempfile.mkdtemp(prefix="sefwd-perm-"))
-    path.chmod(0o755)
+def _without_capabilities(closed: Path) -> tuple[str, ...]:
+    """The setpriv prefix that runs a command as root with no capability; skips when that cannot be done."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv (util-linux): cannot drop root's capabilities to test EACCES")
+    prefix = (setpriv, "--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all")
+    closed.chmod(0o000)
     try:
-        yield path
+        probe = subprocess.run([*prefix, sys.executable, "-c", f"import os; os.listdir({str(closed)!r})"],
+                               capture_output=True, text=True, timeout=60)
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        closed.chmod(0o700)
+    if "PermissionError" not in probe.stderr:
+        last = (probe.stderr.strip().splitlines() or [f"exit {probe.returncode}"])[-1]
+        pytest.skip(f"cannot drop root's capabilities here (a container without CAP_SETPCAP?): {last}")
+    return prefix
 
 
 @pytest.mark.parametrize("command", [("status",), ("status", "--json"), ("deadletter", "list")])
-def test_unreadable_state_dir_is_one_line_and_exit_1(public_dir, command):
-    state = public_dir / "state"
+def test_unreadable_state_dir_is_one_line_and_exit_1(tmp_path, command):
+    state = tmp_path / "state"
     state.mkdir(mode=0o700)
     (state / "agent.lock").write_bytes(b"")
     (state / "state.db").write_bytes(b"")
-    config = public_dir / "c.toml"
+    config = tmp_path / "c.toml"
     config.write_text(f'[state]\ndir = "{state}"\n')
-    config.chmod(0o644)
     prefix: tuple[str, ...] = ()
     if os.geteuid() == 0:
-        # Root reads everything (CI runs as root): run the command as nobody, as a user without access
-        # would. (setpriv, not os.setuid in a preexec_fn: the latter cannot exec a pyenv python under /root.)
-        setpriv = shutil.which("setpriv")
-        if setpriv is None:
-            pytest.skip("running as root without setpriv (util-linux): cannot drop privileges to test EACCES")
-        prefix = (setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
-    else:
-        state.chmod(0o000)
+        # Root reads everything (CI runs as root) by its capabilities, not by being uid 0: the command runs
+        # as root without any capability, for which a 0000 directory of its own is as closed as for
+        # anyone. (Not as another user: the checkout and the venv may sit where only root can read, such
+        # as a clone in a 0700 `mktemp -d` directory or in /root.)
+        prefix = _without_capabilities(state)
+    state.chmod(0o000)
     try:
         res = sefwd(*command, "--config", str(config), prefix=prefix)
     finally:

@@ -13,7 +13,7 @@ from forwarder.sinkapi import Ok, Reject, Retry, SinkContext
 from sinks.eventgrid import EventGridSink
 from tests.agent import AgentProcess, dead_letters, read_jsonl, wait_until, write_config
 from tests.integration.test_sink_loganalytics import emu, incompressible, scheduled  # noqa: F401 - emu is a fixture
-from tests.peers.eventgrid_peer import KEY, MAX_BYTES, EventGridPeer
+from benchmarks.peers.eventgrid_peer import KEY, MAX_BYTES, EventGridPeer
 from benchmarks.peers.logs_ingestion import PASS, Reply, emulator_tokens, error_body
 
 pytestmark = pytest.mark.timeout(90)

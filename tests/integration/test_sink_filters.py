@@ -150,7 +150,7 @@ def appinsights_sink(tmp_path: Path, mp: pytest.MonkeyPatch) -> Iterator[tuple[d
 
 @contextlib.contextmanager
 def eventgrid_sink(tmp_path: Path, mp: pytest.MonkeyPatch) -> Iterator[tuple[dict[str, Any], Received]]:
-    from tests.peers.eventgrid_peer import KEY, EventGridPeer
+    from benchmarks.peers.eventgrid_peer import KEY, EventGridPeer
 
     with EventGridPeer() as peer:
         mp.setenv("SEFWD_TEST_EG_KEY", KEY)

@@ -157,6 +157,34 @@ def test_a_target_that_took_a_message_does_not_get_it_again_when_another_fails(p
     assert [r.path for r in peer.wait_for(3)] == ["/a", "/b", "/b"]
 
 
+def test_progress_of_records_never_retried_is_forgotten_oldest_first(peer, tmp_path, monkeypatch):
+    # A long run must not keep every record a retry ever touched (one that was dead-lettered or evicted
+    # instead is never sent again): the sink remembers at most MAX_REMEMBERED, the oldest go first.
+    monkeypatch.setattr("sinks.notify.MAX_REMEMBERED", 3)
+    sink = make(tmp_path, [target(peer, "/a"), target(peer, "/b")])
+    peer.queue(*[Response(502)] * 5, path="/b")
+    records = [event_record(20 + n) for n in range(5)]
+    for record in records:
+        assert sink.send([record]) == Retry(reason="http_502")  # /a took it, /b did not
+    peer.wait_for(10)
+    assert sink.send([records[-1]]) == Ok()  # remembered: only /b gets it again
+    assert sink.send([records[0]]) == Ok()  # forgotten: /a gets it a second time (at least once, as always)
+    paths = [(r.path, r.json()["message"].split("EVT-")[-1][:2]) for r in peer.wait_for(13)]
+    assert paths[10:] == [("/b", "24"), ("/a", "20"), ("/b", "20")]
+
+
+def test_a_closed_sink_takes_its_tokens_off_the_redaction_list(peer, tmp_path):
+    from sinks.notify import _HIDE
+
+    first = make(tmp_path, [target(peer, "/hooks/FIRSTSECRET11")])
+    second = make(tmp_path, [target(peer, "/hooks/SECONDSECRET22")])
+    assert {"FIRSTSECRET11", "SECONDSECRET22"} <= _HIDE.secrets
+    first.close()
+    assert "FIRSTSECRET11" not in _HIDE.secrets and "SECONDSECRET22" in _HIDE.secrets
+    second.close()
+    assert "SECONDSECRET22" not in _HIDE.secrets
+
+
 def test_through_the_dispatcher_retries_then_delivers_in_order_and_dead_letters_a_refused_one(peer, tmp_path):
     sink = make(tmp_path, [target(peer, "/chat")])
     peer.queue(Response(503), Response(200), Response(404, body=b"channel gone"), Response(200))

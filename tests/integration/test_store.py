@@ -190,3 +190,15 @@ def test_a_lock_held_too_long_by_another_process_fails_the_commit_whole_and_the_
     assert drain(store, "s") == [] and store.load_state().sequence == base  # nothing half-done
     store.commit(recs(3), SavedState(sequence=base + 3))
     assert ns(drain(store, "s")) == [0, 1, 2] and store.load_state().sequence == base + 3
+
+
+def test_the_page_cache_is_capped_so_memory_levels_off(tmp_path):
+    # A long run's history (finished actions) must not fill SQLite's 2000 KiB default cache page by page.
+    from forwarder.store.database import PAGE_CACHE_KIB
+
+    store = Store.open(tmp_path)
+    try:
+        assert store.query("PRAGMA cache_size") == [(-PAGE_CACHE_KIB,)]
+        assert PAGE_CACHE_KIB <= 1024
+    finally:
+        store.close()

@@ -1,5 +1,5 @@
-"""The README's "Protect your workload" notify and filter parts stay true: its configs pass the real
-config check, and its sample message is what the notify sink renders."""
+""""Protect your workload" stays true: the README's copy-paste block and the notify and filter configs of
+docs/protect.md pass the real config check, and the page's sample message is what the notify sink renders."""
 from __future__ import annotations
 
 from datetime import datetime, timezone
@@ -10,9 +10,9 @@ from sinks.notify_messages import MessageRenderer
 from tests.conftest import ROOT
 
 
-def _section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    return text.split(f"### {title}\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
+def _section(title: str, path: str = "docs/protect.md", level: str = "##") -> str:
+    text = (ROOT / path).read_text()
+    return text.split(f"{level} {title}\n", 1)[1].split("\n## ", 1)[0].split("\n### ", 1)[0]
 
 
 def _blocks(text: str, lang: str) -> list[str]:
@@ -32,8 +32,21 @@ def test_the_copy_paste_configs_pass_config_check(tmp_path, monkeypatch):
         for sink in data["sinks"]:
             if sink["type"] == "file":
                 sink["path"] = str(tmp_path / "events.jsonl")
-        config = parse_config(data, {}, "README.md")
+        config = parse_config(data, {}, "docs/protect.md")
         assert all(s.filter is not None for s in config.sinks if s.type != "file")
+
+
+def test_the_readme_block_passes_config_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("SEFWD_NOTIFY_URLS", "slack://T1JJ3T3L2/A1BRTD4JD/TIiajkdnlazkcOXrIdevi7FQ")
+    blocks = _blocks(_section("Protect your workload", "README.md"), "toml")
+    assert len(blocks) == 1, "the README keeps protection in one copy-paste block"
+    data = tomllib.loads(blocks[0])
+    data["state"] = {"dir": str(tmp_path / "state")}
+    data["sinks"][0]["path"] = str(tmp_path / "events.jsonl")
+    config = parse_config(data, {}, "README.md")
+    assert config.probe is not None and config.probe.listen
+    assert [rule.name for rule in config.approval.rules] == ["drain-then-approve"]
+    assert {sink.type for sink in config.sinks} == {"file", "notify"}
 
 
 def test_the_sample_message_is_what_the_sink_renders():

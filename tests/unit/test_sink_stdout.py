@@ -278,3 +278,15 @@ def test_protocol_surface():
     assert sink.max_batch == 500
     assert set(StdoutSink.OPTIONS) == {"pretty"}
     sink.close()
+
+
+def test_pretty_hook_action_says_which_hook_when_and_what_it_printed():
+    action = {"Id": 3, "Kind": "hook", "State": "planned", "Change": "scheduled", "HookName": "scheduled",
+              "Due": "2026-11-22T06:41:05.250Z", "Deadline": "2026-11-22T06:41:09Z", "Attempts": 0}
+    planned = render_pretty({"type": "approval.planned", "time": "2026-11-22T06:41:01Z", "data": {
+        "EventId": "E1", "Outcome": "planned", "Actor": "hook", "Action": action}})
+    assert planned.endswith("Hook scheduled  Due 2026-11-22T06:41:05Z")
+    ran = render_pretty({"type": "approval.ran", "time": "2026-11-22T06:41:06Z", "data": {
+        "EventId": "E1", "Outcome": "ran", "Actor": "hook", "Action": {**action, "State": "done"},
+        "Hook": {"ExitCode": 0, "Output": "\ndraining web-1\nmore\n", "TimedOut": False}}})
+    assert ran.endswith("Hook scheduled  ExitCode 0  Output 'draining web-1'") and "Due" not in ran
