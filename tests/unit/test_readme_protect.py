@@ -45,6 +45,8 @@ def test_the_readme_block_passes_config_check(tmp_path, monkeypatch):
     data["sinks"][0]["path"] = str(tmp_path / "events.jsonl")
     config = parse_config(data, {}, "README.md")
     assert config.probe is not None and config.probe.listen
+    # One hold per VM (issue 28): the drain and its undo are [protect]'s, not per-change hooks.
+    assert config.protect is not None and config.protect.leave is not None and not config.approval.hooks
     assert [rule.name for rule in config.approval.rules] == ["drain-then-approve"]
     assert {sink.type for sink in config.sinks} == {"file", "notify"}
 
