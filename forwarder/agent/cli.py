@@ -333,11 +333,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     narrator = Narrator()
     with tempfile.TemporaryDirectory(prefix="sefwd-demo-") as tmp, emulator_ as emulator:
         sinks = config.sinks if args.config else (SinkConfig(type="stdout", name="stdout", options={}),)
-        approval, probe = config.approval, config.probe
+        approval, probe, protect = config.approval, config.probe, config.protect
         if not args.config:  # the built-in demo shows protection too: forwarder.agent.demo
             inbox = narrator.open_inbox() if notify_available() else None
             shown = parse_config({**protection_config(Path(tmp), inbox), "state": {"dir": tmp}}, {}, "sefwd demo")
-            approval, probe, sinks = shown.approval, shown.probe, shown.sinks
+            approval, probe, protect, sinks = shown.approval, shown.probe, shown.protect, shown.sinks
             if inbox is None:
                 print("sefwd demo: pip install 'scheduled-events-forwarder[notify]' to see the messages people get",
                       file=sys.stderr)
@@ -349,6 +349,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             config,
             approval=approval,
             probe=probe,
+            protect=protect,
             imds=dataclasses.replace(config.imds, endpoint=emulator.url, poll_interval=0.5, first_call_timeout=10.0),
             state=dataclasses.replace(config.state, dir=Path(tmp) / "state"),
             agent=dataclasses.replace(config.agent, heartbeat=0.0),
@@ -366,10 +367,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if finished and not interrupted and agent.ready.wait(10) and agent.poller is not None:
             # One more poll after the scenario ended, so the last removal is seen.
             agent.poller.wait_for_polls(agent.poller.stats.polls + 2, 10)
-            # And until the probe serves again after the last event's settle time (the demo's is 1 s).
-            deadline = time.monotonic() + probe.settle + 2
-            while not narrator.probe_serving() and time.monotonic() < deadline and not stop.wait(0.1):
+            # And until the probe serves again after the last event's settle time (the demo's is 0 s), and the
+            # hold's leave ran (its protect.left is committed at the next poll).
+            deadline = time.monotonic() + max(probe.settle, protect.settle if protect else 0.0) + 2
+            held = not _hold_over(agent)
+            while not (narrator.probe_serving() and _hold_over(agent)) and time.monotonic() < deadline \
+                    and not stop.wait(0.1):
                 pass
+            if held:
+                agent.poller.wait_for_polls(agent.poller.stats.polls + 2, 10)
         stop.set()
         runner.join(30)
         narrator.close()
@@ -383,6 +389,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not finished:
             return EXIT_FAILURE
         return result.get("rc", EXIT_FAILURE)
+
+
+def _hold_over(agent: Agent) -> bool:
+    """Whether this VM serves again as far as [protect] goes (or it has none): the leave ran."""
+    return agent.protection is None or agent.protection.status()["state"] == "serving"
 
 
 def _wait_finished(emulator: Emulator, stop: threading.Event, timeout: float) -> bool:

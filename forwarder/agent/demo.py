@@ -1,4 +1,4 @@
-"""What `sefwd demo` adds to show protection: the probe flipping, a drain and its undo, a message to people.
+"""What `sefwd demo` adds to show protection: the probe flipping, this VM's hold (a drain and its undo), a message to people.
 
 Everything the demo configures for it is in :func:`protection_config` (one place, in the config file's own
 shape), and what it prints about it (on stderr, beside the records on stdout) in :class:`Narrator`.
@@ -31,23 +31,23 @@ def notify_available() -> bool:
 
 
 def protection_config(state_dir: Path, inbox_url: str | None) -> dict[str, Any]:
-    """The demo's protection, as a config file would say it: the probe, a drain a second after the
-    event appears (``NotBefore - 5s`` of the scenario's 6 s notice) approved once it ran, its undo, and a
-    notify sink posting to the demo's own inbox (``inbox_url``, None without the ``[notify]`` extra)."""
-    drain = [sys.executable, "-c", _DRAIN]
-    undo = {"command": [sys.executable, "-c", _UNDO], "event_types": ["Reboot"]}
+    """The demo's protection, as a config file would say it: the probe, this VM's hold (a drain a second
+    after the Reboot appears, ``NotBefore - 5s`` of the scenario's 6 s notice, and its undo after the
+    Reboot), the Reboot approved once drained, and a notify sink posting to the demo's own inbox
+    (``inbox_url``, None without the ``[notify]`` extra)."""
     config: dict[str, Any] = {
         # No settle time: the probe serves again as the Reboot ends, and the demo need not wait for it.
         "probe": {"listen": "127.0.0.1:0", "settle": "0s", "state_file": str(state_dir / "maintenance.json")},
+        # This VM's hold: only its own events of these types (the scenario's Redeploy is another VM's).
+        "protect": {"enter": [sys.executable, "-c", _DRAIN], "leave": [sys.executable, "-c", _UNDO],
+                    "at": f"notbefore - {DRAIN_LEAD_S}s", "event_types": PROTECTED,
+                    "deadline_margin": "1s",  # the drain must end 1 s before NotBefore (SEFWD_SECONDS_LEFT)
+                    "settle": "0s"},  # the undo as soon as the Reboot is over
         "approval": {
-            "deadline_margin": "1s",  # the drain must end 1 s before NotBefore (SEFWD_SECONDS_LEFT)
-            # Reboot only: the scenario's Redeploy is another VM's, and hooks (today) run for every event.
-            "hooks": {"scheduled": {"command": drain, "at": f"notbefore - {DRAIN_LEAD_S}s", "event_types": ["Reboot"]},
-                      "completed": undo, "canceled": undo, "ended": undo},
             "rules": [
                 {"name": "short-freeze", "action": "approve", "event_type": "Freeze", "event_status": "Scheduled",
                  "duration_min": 0, "duration_max": 8},
-                # The drain first: the user's Reboot is approved (starts early) only once the hook succeeded.
+                # The drain first: the user's Reboot is approved (starts early) only once this VM's enter succeeded.
                 {"name": "user-initiated", "action": "approve", "event_source": "User", "event_status": "Scheduled",
                  "after_hooks": True},
                 {"name": "everything-else", "action": "hold"},
@@ -58,7 +58,7 @@ def protection_config(state_dir: Path, inbox_url: str | None) -> dict[str, Any]:
     if inbox_url is not None:
         config["sinks"].append({
             "type": "notify", "name": "people", "urls": [f"json://{inbox_url.split('://', 1)[1]}"],
-            "filter": {"record_types": ["scheduledevent"], "event_types": PROTECTED, "affects_this_vm": True,
+            "filter": {"record_types": ["scheduledevent", "protect"], "event_types": PROTECTED, "affects_this_vm": True,
                        "changes": ["scheduled", "completed", "canceled", "ended"]}})
     return config
 

@@ -30,7 +30,7 @@ def sefwd(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -
 def demo_json() -> subprocess.CompletedProcess[str]:
     """One `sefwd demo --json` run, read by the tests below."""
     # In real time (about 9 s): at 0.5 the Reboot's completion and the Redeploy's cancel can share one poll (an
-    # incarnation jump: "ended"), and only at full time is the drain due at NotBefore - 5s rather than at once.
+    # incarnation jump: "ended"), and only at full time is the hold entered from NotBefore - 5s rather than at once.
     return sefwd("demo", "--json", timeout=180)
 
 
@@ -46,33 +46,41 @@ def test_demo_prints_scheduled_started_completed_on_stdout_only(demo_json):
 
 
 def test_demo_shows_protection_in_the_same_timeline(demo_json):
-    """The probe turns 503 and back, the drain is planned at NotBefore - 5s and runs before the Reboot is
-    approved, its undo runs after, and the people on call get a message (stderr, beside the records)."""
+    """The probe turns 503 and back, this VM's hold enters (the drain) from NotBefore - 5s and before the Reboot
+    is approved, leaves (the undo) after the Reboot, and the people on call get messages (stderr, beside the records)."""
     done = demo_json
     assert done.returncode == 0, done.stderr[-2000:]
     records = [orjson.loads(line) for line in done.stdout.splitlines()]
     reboot = "B2D1C6E8-0002-4C5D-9E8F-000000000002"
     scheduled = next(r for r in records if r["type"] == "scheduledevent.scheduled" and r["subject"] == reboot)
-    mine = [r for r in records if r["type"].startswith("approval.") and r["subject"] == reboot]
-    planned = next(r for r in mine if r["type"] == "approval.planned" and r["data"]["Action"]["HookName"] == "scheduled")
-    not_before = datetime.fromisoformat(scheduled["data"]["NotBefore"].replace("Z", "+00:00"))
-    due = datetime.fromisoformat(planned["data"]["Action"]["Due"].replace("Z", "+00:00"))
-    # NotBefore - DRAIN_LEAD_S, or at once when less was left by the time the agent saw the event.
-    lead = timedelta(seconds=DRAIN_LEAD_S)
-    at_once = datetime.fromisoformat(planned["time"].replace("Z", "+00:00"))
-    assert abs((due - max(not_before - lead, at_once)).total_seconds()) < 0.5, (due, not_before, at_once)
-    assert not_before - due <= lead
-    order = [(r["type"], r["data"]["Action"]["HookName"] if r["data"].get("Action") else None) for r in mine]
-    ran, approved = order.index(("approval.ran", "scheduled")), order.index(("approval.approved", None))
-    assert ran < approved < order.index(("approval.ran", "completed"))  # drain, approval, undo
-    assert mine[ran]["data"]["Hook"]["Output"].startswith("draining Reboot B2D1C6E8")
+    mine = [r for r in records if r["subject"] == reboot]
+    order = [r["type"] for r in mine]
+    entered, left = order.index("protect.entered"), order.index("protect.left")
+    assert order.count("protect.entered") == order.count("protect.left") == 1  # one hold, one drain, one undo
+    assert entered < order.index("approval.approved") < order.index("scheduledevent.completed") < left
+    assert not any(t == "protect.missed" for t in (r["type"] for r in records))
+    enter = mine[entered]["data"]
+    assert enter["EventIds"] == [reboot] and enter["Hook"]["Output"].startswith("draining Reboot B2D1C6E8")
+    assert mine[left]["data"]["Hook"]["Output"].startswith("back in service after Reboot B2D1C6E8")
+
+    def when(value: str) -> datetime:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+    # The drain began no earlier than NotBefore - DRAIN_LEAD_S (or when the agent saw the event, if later) and
+    # was over before NotBefore (cut off 1 s before it, deadline_margin, it would be protect.missed).
+    not_before = when(scheduled["data"]["NotBefore"])
+    began = when(enter["FinishedAt"]) - timedelta(seconds=enter["Hook"]["DurationSeconds"])
+    assert when(enter["NotBefore"]) == not_before
+    assert began >= max(not_before - timedelta(seconds=DRAIN_LEAD_S), when(scheduled["time"])) - timedelta(seconds=0.1)
+    assert enter["DrainSlackSeconds"] > 0
     lines = done.stderr.splitlines()
     probe = [line.split("  ", 2)[2] for line in lines if "  probe  " in line]
     assert [p[:3] for p in probe] == ["503", "200"] and "maintenance: Reboot B2D1C6E8" in probe[0]
     if importlib.util.find_spec("apprise") is not None:  # the [notify] extra (in the test extra)
         titles = [line.split("  ", 2)[2] for line in lines if "  notify  " in line]
-        assert len(titles) == 2 and titles[0].startswith("Reboot of demo-vm-0 scheduled")  # "in 4 s" or "now"
-        assert titles[1] == "Reboot of demo-vm-0 completed"
+        assert len(titles) == 4 and titles[0].startswith("Reboot of demo-vm-0 scheduled")  # "in 6 s", "in 5 s" or "now"
+        assert titles[1:] == [f"Out of service: demo-vm-0 ({reboot})", "Reboot of demo-vm-0 completed",
+                              f"Back in service: demo-vm-0 ({reboot})"]
     else:
         assert "pip install 'scheduled-events-forwarder[notify]'" in done.stderr
 
