@@ -61,6 +61,7 @@ def incarnation_seen(state_file: Path) -> int | None:
 # Families whose label values come from a closed set but appear only when something happens
 # (IMDS errors by HTTP status on a loaded machine): bounded, not necessarily in the first round.
 _OCCASIONAL = ("sefwd_imds_errors_total{",)
+NOTICE_COUNT = "sefwd_event_notice_lead_seconds_count"  # one series per event type (6 known + other)
 
 
 @pytest.mark.slow  # 10,000 events of churn
@@ -91,7 +92,10 @@ def test_series_stay_fixed_while_10000_events_come_and_go(tmp_path):
                 incarnation += 1
                 peer.default = document(incarnation, batch)
                 wait_until(lambda: incarnation_seen(state_file) == incarnation, 60, f"round {round_no}: document seen")
-                samples = scrape(base)
+                # The probe's state file is written as the document commits; the records' histograms
+                # (notice lead) are fed just after, on the append: scrape until they are there too.
+                samples = wait_until(lambda: (s := scrape(base)) if len(family(s, NOTICE_COUNT)) == 7 else None, 30,
+                                     f"round {round_no}: the notice-lead histograms")
                 pending = family(samples, "sefwd_events_pending")
                 assert sum(pending.values()) == count
                 assert len(pending) == 42  # (7 types × 3 statuses × 2 scopes)
@@ -109,7 +113,7 @@ def test_series_stay_fixed_while_10000_events_come_and_go(tmp_path):
                     extra = {k for k in keys - warm if not k.startswith(_OCCASIONAL)}
                     assert not extra, extra
                 # The notice-window histograms (docs/notice-window.md) are among the fixed series.
-                assert len(family(samples, "sefwd_event_notice_lead_seconds_count")) == 7  # 6 known types + other
+                assert len(family(samples, NOTICE_COUNT)) == 7  # 6 known types + other
                 labels = " ".join(keys)
                 assert not any(e["EventId"] in labels for e in batch)
             assert len(seen_ids) == 10_500
