@@ -64,6 +64,11 @@ _OCCASIONAL = ("sefwd_imds_errors_total{",)
 NOTICE_COUNT = "sefwd_event_notice_lead_seconds_count"  # one series per event type (6 known + other)
 
 
+def _with_notice_lead(samples: dict[str, float]) -> dict[str, float] | None:
+    """The scrape, once the notice-lead histogram has its series for every type."""
+    return samples if len(family(samples, NOTICE_COUNT)) == 7 else None
+
+
 @pytest.mark.slow  # 10,000 events of churn
 def test_series_stay_fixed_while_10000_events_come_and_go(tmp_path):
     """A real agent reads 20 documents of 500 fresh events each (every type and status, this VM and
@@ -94,7 +99,7 @@ def test_series_stay_fixed_while_10000_events_come_and_go(tmp_path):
                 wait_until(lambda: incarnation_seen(state_file) == incarnation, 60, f"round {round_no}: document seen")
                 # The probe's state file is written as the document commits; the records' histograms
                 # (notice lead) are fed just after, on the append: scrape until they are there too.
-                samples = wait_until(lambda: (s := scrape(base)) if len(family(s, NOTICE_COUNT)) == 7 else None, 30,
+                samples = wait_until(lambda: _with_notice_lead(scrape(base)), 30,
                                      f"round {round_no}: the notice-lead histograms")
                 pending = family(samples, "sefwd_events_pending")
                 assert sum(pending.values()) == count
