@@ -111,17 +111,16 @@ class Reconciler:
         except BadEvent as exc:
             return 400, {"error": str(exc)}
         batch = _Batch()
-        ignored = 0
-        try:
-            for event in events:
-                if event.get("eventType") != EVENT_TYPE:
-                    ignored += 1  # another event type on the same topic: not ours
-                    continue
+        ours = [event for event in events if event.get("eventType") == EVENT_TYPE]
+        ignored = len(events) - len(ours)  # other event types on the same topic: not ours
+
+        def fill() -> None:
+            for event in ours:
                 self._platform_event(event, batch)
-            batch.records += self._due(self.clock(), batch)
-            self._flush(batch)
+
+        try:
+            self._emit(batch, fill)
         except Exception as exc:  # noqa: BLE001 - the output (or the state) failed: let Event Grid retry
-            self._release(batch)
             log.warning("could not emit %d record(s): %s", len(batch.records), exc)
             return 503, {"error": "output unavailable"}
         if batch.retry:
@@ -132,29 +131,32 @@ class Reconciler:
     def agent_records(self, records: Sequence[Mapping[str, Any]]) -> int:
         """The agents' records (any types; only ``scheduledevent.*`` count here); returns records emitted."""
         batch = _Batch()
-        try:
+
+        def fill() -> None:
             for rec in records:
                 self._agent_record(rec, batch)
-            batch.records += self._due(self.clock(), batch)
-            self._flush(batch)
-        except BaseException:
-            self._release(batch)
-            raise
+
+        self._emit(batch, fill)
         return len(batch.records)
 
     def tick(self) -> int:
         """Emit ``fleet.missed`` for every event whose wait is over, and the decisions a dead instance left
         (a timer calls this); returns records emitted."""
         batch = _Batch()
+        self._emit(batch, lambda: None)
+        return len(batch.records)
+
+    # -- internals --
+    def _emit(self, batch: _Batch, fill: Callable[[], object]) -> None:
+        """``fill`` the batch, add what is due, send it; on any failure its claims are given back, then it raises."""
         try:
+            fill()
             batch.records += self._due(self.clock(), batch)
             self._flush(batch)
         except BaseException:
             self._release(batch)
             raise
-        return len(batch.records)
 
-    # -- internals --
     def _flush(self, batch: _Batch) -> None:
         """Emit, then settle what was emitted (a failed emit releases it: the next attempt makes it again)."""
         try:
