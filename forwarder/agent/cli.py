@@ -21,6 +21,7 @@ from forwarder.errors import ConfigError, ForwarderError, UsageError
 
 if TYPE_CHECKING:
     from forwarder.emulator import Emulator
+    from forwarder.agent.poller import Poller
     from forwarder.agent.service import Agent
     from forwarder.store.database import SavedState
     from forwarder.agent.config import ImdsConfig
@@ -234,6 +235,7 @@ def _install_signals(stop: threading.Event) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from forwarder.agent.config import load_config
+    from forwarder.agent.poller import Poller
     from forwarder.agent.service import Agent
 
     config = load_config(args.config)
@@ -321,6 +323,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from forwarder.agent.config import SinkConfig, load_config, parse_config
     from forwarder.agent.demo import Narrator, notify_available, protection_config
     from forwarder.emulator import Emulator, load_scenario
+    from forwarder.agent.poller import Poller
     from forwarder.agent.service import Agent
 
     config = load_config(args.config) if args.config else load_config(None, env={}, system_path=None)
@@ -329,7 +332,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario)
     stop = threading.Event()
     _install_signals(stop)
-    emulator_ = Emulator(scenario=scenario, time_scale=args.time_scale)
+    # The scenario's clock starts at the agent's first poll: on a busy machine a slow start (imports, the hold's
+    # interpreters) must not eat the seconds in which its events come and go.
+    emulator_ = Emulator(scenario=scenario, time_scale=args.time_scale, start_scenario=False)
     narrator = Narrator()
     with tempfile.TemporaryDirectory(prefix="sefwd-demo-") as tmp, emulator_ as emulator:
         sinks = config.sinks if args.config else (SinkConfig(type="stdout", name="stdout", options={}),)
@@ -362,6 +367,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         runner.start()
         if agent.ready.wait(10) and agent.maintenance is not None and agent.maintenance.probe is not None:
             agent.maintenance.tracker.add_listener(narrator.watch_probe(agent.maintenance.probe.url))
+        if agent.ready.wait(args.timeout) and agent.poller is not None:
+            _first_poll(agent.poller, runner, stop, args.timeout)
+        emulator.run_scenario(scenario)
         finished = _wait_finished(emulator, stop, args.timeout)
         interrupted = stop.is_set()
         if finished and not interrupted and agent.ready.wait(10) and agent.poller is not None:
@@ -389,6 +397,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not finished:
             return EXIT_FAILURE
         return result.get("rc", EXIT_FAILURE)
+
+
+def _first_poll(poller: Poller, runner: threading.Thread, stop: threading.Event, timeout: float) -> None:
+    """Until the agent's first poll was answered, it ended, Ctrl-C or the timeout."""
+    deadline = time.monotonic() + timeout
+    while runner.is_alive() and not stop.is_set() and time.monotonic() < deadline:
+        if poller.wait_for_polls(1, 0.2):
+            return
 
 
 def _hold_over(agent: Agent) -> bool:

@@ -11,7 +11,10 @@ Delivery latency per sink (record time → the sink acknowledged) is ``sefwd.sin
 VM never sees: the fleet side measures it (deploy/consumers/platform-events, docs/notice-window.md).
 
 Labels take fixed values only (the known EventTypes and "other"), so the series count is fixed
-however many events come and go; the events' NotBefore are remembered for approvals in a bounded map.
+however many events come and go. An event's NotBefore is remembered for its approval only while the event
+lasts: its end (a ``completed``, ``canceled`` or ``gone`` record) forgets it, so what the agent holds here is
+the events in the document now, not every event since it started (a soak's memory kept growing with it);
+``MAX_REMEMBERED`` bounds it besides.
 """
 from __future__ import annotations
 
@@ -23,18 +26,23 @@ from typing import Any
 
 import orjson
 
+from forwarder.imds.differ import TERMINAL_KINDS
 from forwarder.imds.event_types import EVENT_TYPES
+from forwarder.record_types import EVENT_TYPE_PREFIX
 from forwarder.sinkapi import Record
 
 # Seconds: a Spot eviction's 30 s, Terminate's 5-15 min, Reboot's 15 min, up to a week for hardware.
 LEAD_BUCKETS = (0.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 900.0, 1800.0, 3600.0, 4 * 3600.0, 86400.0, 7 * 86400.0)
 TYPE_LABELS = (*EVENT_TYPES, "other")
-MAX_REMEMBERED = 4096  # events whose NotBefore is kept for their approval (oldest forgotten first)
+MAX_REMEMBERED = 1024  # events whose NotBefore is kept for their approval (oldest forgotten first)
+SEEN = tuple(EVENT_TYPE_PREFIX + kind for kind in ("scheduled", "started", "updated"))
+ENDED = tuple(EVENT_TYPE_PREFIX + kind for kind in TERMINAL_KINDS)
+_LABELS = {label: label for label in EVENT_TYPES}  # a parsed EventType -> the one constant string
 
 
 def type_label(event_type: object) -> str:
     """The bounded ``type`` label: a known EventType, else "other"."""
-    return event_type if isinstance(event_type, str) and event_type in EVENT_TYPES else "other"
+    return _LABELS.get(event_type, "other") if isinstance(event_type, str) else "other"
 
 
 def _time(value: object) -> datetime | None:
@@ -76,8 +84,10 @@ class NoticeWindow:
         """Look at the records that matter here (a few per event); everything else costs a string compare."""
         for record in records:
             kind = record.type
-            if kind in ("scheduledevent.scheduled", "scheduledevent.started", "scheduledevent.updated"):
+            if kind in SEEN:
                 self._event(record)
+            elif kind in ENDED:
+                self._forget(record)
             elif kind == "approval.approved":
                 self._approved(record)
 
@@ -99,6 +109,19 @@ class NoticeWindow:
         if first and seen is not None and record.type != "scheduledevent.updated" and data.get("Initial") is not True:
             lead = (not_before - seen).total_seconds() if not_before is not None else 0.0
             self._notice.record(lead, {"type": label})
+
+    @property
+    def remembered(self) -> int:
+        """Events whose NotBefore is kept now (the live ones, at most ``MAX_REMEMBERED``)."""
+        with self._lock:
+            return len(self._events)
+
+    def _forget(self, record: Record) -> None:
+        """The event ended: its approval is behind it, nothing here needs it any more."""
+        event_id = _parsed(record)[1].get("EventId")
+        if isinstance(event_id, str):
+            with self._lock:
+                self._events.pop(event_id, None)
 
     def _approved(self, record: Record) -> None:
         body, data = _parsed(record)

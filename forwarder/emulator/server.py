@@ -521,12 +521,16 @@ class Emulator:
         arm_grants: Mapping[str, Iterable[str]] | None = None,
         limits: ConnectionLimits = EMULATOR_LIMITS,
         max_api_version: str | None = None,
+        start_scenario: bool = True,
     ) -> None:
         if time_scale < 0:
             raise ValueError(f"time_scale must not be negative, got {time_scale!r}")
         self.host = host
         self.port = port
         self.scenario = load_scenario(scenario) if scenario is not None else None
+        # False: the scenario gives the VMs and their settings, its timeline waits for run_scenario() (`sefwd demo`
+        # starts it once the agent has polled, so a slow start never loses the scenario's first seconds).
+        self.start_scenario = start_scenario
         profiles = [v if isinstance(v, VmProfile) else VmProfile.from_spec(v) for v in vms] if vms is not None else []
         if not profiles and self.scenario is not None:
             profiles = list(self.scenario.vms)
@@ -579,7 +583,7 @@ class Emulator:
             self._arm.start("arm-emulator", poll_interval=0.1)
         self.platform.timeline.start()
         log.debug("IMDS emulator listening on %s (default VM %s)", self.url, self.platform.default_vm)  # `sefwd emulator` prints it
-        if self.scenario is not None:
+        if self.scenario is not None and self.start_scenario:
             self.platform.run_scenario(self.scenario)
         return self
 

@@ -422,3 +422,19 @@ def test_cli_runs_a_scenario_to_the_end_and_refuses_remote_binds() -> None:
     assert refused.returncode == 2 and "--allow-remote" in refused.stderr
     listed = _cli("--list-scenarios")
     assert listed.returncode == 0 and all(name in listed.stdout for name in BUILTINS)
+
+
+def test_a_held_scenario_waits_for_its_start_and_gives_its_vms_at_once() -> None:
+    """`sefwd demo` holds the scenario until the agent's first poll: a slow start loses none of its seconds."""
+    scenario = load_scenario("demo")
+    with Emulator(scenario=scenario, start_scenario=False, rate_limit=None) as emu:
+        http = session()
+        r = http.get(emu.url + SE, headers=H, params=P)
+        # The scenario's VMs answer at once (the default VM is its first), with no event: the timeline waits.
+        assert (r.status_code, r.json()["Events"]) == (200, [])
+        assert emu.platform.default_vm == scenario.vms[0].name
+        assert not emu.wait_finished(0.3)
+        emu.run_scenario(scenario)
+        first = wait_until(lambda: http.get(emu.url + SE, headers=H, params=P).json()["Events"], 30)
+        assert first[0]["EventId"] == "A1F0E5A7-0001-4C5D-9E8F-000000000001"
+        assert emu.wait_finished(90)

@@ -114,3 +114,26 @@ def test_the_leads_reach_azure_monitor(tmp_path: Path, monkeypatch: pytest.Monke
             telemetry.stop()
     assert found["sefwd.event.notice_lead"]["count"] >= 1
     assert 0 < found["sefwd.approval.lead"]["value"]
+
+
+def test_an_event_is_remembered_only_while_it_lasts() -> None:
+    """A long-running agent holds the NotBefore of the events in the document now, not of every event it saw."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from forwarder.agent.notice_metrics import NoticeWindow
+
+    reader = InMemoryMetricReader()
+    window = NoticeWindow(MeterProvider(metric_readers=[reader]).get_meter("test"))
+    ends = ("scheduledevent.completed", "scheduledevent.canceled", "scheduledevent.ended")
+    for start in range(0, 3000, 300):
+        window.observe(batch(300, start))
+        assert window.remembered == 300  # the batch's events, each still Scheduled
+        window.observe([record(ends[i % 3], {"EventId": f"E-{i}", "Change": ends[i % 3].split(".")[1]},
+                               T0 + timedelta(seconds=i + 1)) for i in range(start, start + 300)])
+        assert window.remembered == 0
+    # An approval after its event ended has no NotBefore left: no lead is made up for it.
+    window.observe([record("approval.approved", {"EventIds": ["E-2"], "Outcome": "approved"}, T0)])
+    points = {m.name: sum(p.count for p in m.data.data_points)
+              for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert points == {"sefwd.event.notice_lead": 3000, "sefwd.approval.lead": 1500}
