@@ -31,10 +31,13 @@ DB_FILE = "state.db"
 FORMAT = 1
 BUSY_TIMEOUT_MS = 5000
 # SQLite's page cache per connection (its default is 2000 KiB). The agent's working set is the tail of
-# `records` and a few small tables; what grows is history (finished actions, kept 30 days), whose pages
-# filled the default cache slowly: in a soak the agent's memory still rose after 25 minutes. A smaller
-# cache levels off within minutes; older pages come from the OS page cache when a scan needs them.
-PAGE_CACHE_KIB = 1024
+# `records` and a few small tables; what grows is history (finished actions, kept 30 days). SQLite takes
+# a new page slot for every page it has not seen until the cap is reached, so the cache is a slow
+# climb to the cap, not a working set: at 1 MiB a soak (one event every 5 s) was still filling it after
+# 45 minutes (heaptrack: the one C-level grower). 256 KiB fills within minutes; throughput of batched
+# appends and of a cursor's drain stayed the same (benchmarks/journal.py, run both ways); older pages
+# come from the OS page cache when a scan needs them.
+PAGE_CACHE_KIB = 256
 # Eviction order under the size cap: lifecycle first, then audits, scheduled events last.
 PRIORITY_LIFECYCLE, PRIORITY_AUDIT, PRIORITY_EVENT = 0, 1, 2
 

@@ -199,6 +199,6 @@ def test_the_page_cache_is_capped_so_memory_levels_off(tmp_path):
     store = Store.open(tmp_path)
     try:
         assert store.query("PRAGMA cache_size") == [(-PAGE_CACHE_KIB,)]
-        assert PAGE_CACHE_KIB <= 1024
+        assert PAGE_CACHE_KIB <= 256
     finally:
         store.close()
