@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
 import time
 import traceback
@@ -199,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--minutes must be a positive number, got {args.minutes:g}")
     args.out = results_file(parser, "latest.json", record=args.record, out=args.out, smoke=args.smoke, partial=bool(args.only))
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)  # expected warnings (fresh cursors, http) are noise here
+    # A TERM (`kill`, a CI timeout) unwinds like Ctrl-C: every benchmark's peers and agents are stopped on the way
+    # out, none is left running (a killed soak used to leave its agent and the Event Hubs peer behind).
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     sizes = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
     results: dict[str, Any] = {}

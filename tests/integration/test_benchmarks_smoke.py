@@ -180,3 +180,27 @@ def test_soak_minutes_must_be_a_positive_number() -> None:
     done = subprocess.run([sys.executable, "-m", "benchmarks", "--only", "soak", "--minutes", "0"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and "--minutes must be a positive number" in done.stderr
+
+
+@pytest.mark.slow  # a benchmark run, stopped half-way
+def test_a_terminated_soak_leaves_no_agent_or_peer_running(tmp_path: Path) -> None:
+    psutil = pytest.importorskip("psutil")
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks", "--only", "soak", "--smoke", "--no-plots",
+                             "--out", str(tmp_path / "results.json")], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        parent = psutil.Process(proc.pid)
+        deadline = time.monotonic() + 300
+        agents: list = []
+        while not agents and time.monotonic() < deadline and proc.poll() is None:
+            agents = [p for p in parent.children(recursive=True) if "forwarder" in " ".join(p.cmdline()[1:4])]
+            time.sleep(0.2)
+        assert agents, "the soak never started its agent"
+        children = parent.children(recursive=True)
+        proc.terminate()
+        assert proc.wait(120) == 128 + 15
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
