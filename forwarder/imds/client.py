@@ -454,10 +454,13 @@ class ImdsClient:
         return response
 
     def _exchange(self, method: str, url: str, deadline: float, raw: bytes) -> _Response:
-        if not self.budget.acquire(self._stop):
-            raise ImdsError(f"stopped before IMDS {method} {url}", status=None, retryable=True)
+        def turn() -> None:  # every request sent takes a slot of the budget, a resend too
+            if not self.budget.acquire(self._stop):
+                raise ImdsError(f"stopped before IMDS {method} {url}", status=None, retryable=True)
+
+        turn()
         try:
-            response = self._pool.request(raw, deadline)
+            response = self._pool.request(raw, deadline, before_resend=turn)
         except TimeoutError as exc:
             if getattr(exc, "connecting", False):
                 raise ImdsTimeout(f"IMDS {method} {url}: connect timed out after {self.connect_timeout:g}s",
@@ -700,8 +703,12 @@ class _Pool:
             lines.append(f"Content-Length: {len(body or b'')}")
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
 
-    def request(self, raw: bytes, timeout: float) -> _Response:
-        """One request and its answer, all within ``timeout`` seconds."""
+    def request(self, raw: bytes, timeout: float, before_resend: Callable[[], None] | None = None) -> _Response:
+        """One request and its answer, all within ``timeout`` seconds.
+
+        A reused connection that closes before one byte of an answer (the server dropped it while idle) gets
+        the request once more on a new one, after ``before_resend`` (the budget's next slot: IMDS counts
+        every request it receives)."""
         end = time.monotonic() + timeout
         conn: _KeptAliveConnection | None = None
         with self._lock:
@@ -721,6 +728,8 @@ class _Pool:
                 conn = None
                 if reused:
                     reused = False
+                    if before_resend is not None:
+                        before_resend()
                     continue  # the server dropped an idle connection just as we used it
                 raise ConnectionResetError("the server closed the connection without answering") from None
             except BaseException:
