@@ -13,6 +13,7 @@ from forwarder.agent.config import Config
 from forwarder.delivery.dispatcher import Dispatcher
 from forwarder.errors import ConfigError, ImdsError, ImdsTimeout, ImdsUnreachable, StateError
 from forwarder.agent.extension_heartbeat import HeartbeatFile
+from forwarder.agent.gc_sweep import GcSweep
 from forwarder.imds.identity import VmIdentity
 from forwarder.imds.client import ImdsClient
 from forwarder.agent.poller import Poller
@@ -353,6 +354,7 @@ class Agent:
                                           interval=cfg.agent.status_interval)
                 reporter.write()
                 reporter.start()
+                GcSweep(self.stop).start()  # memory that levels off (forwarder.agent.gc_sweep)
                 poller.on_first_answer = reporter.write  # "waiting for IMDS" ends in the report at once
                 if cfg.agent.heartbeat_file is not None:  # set by the Azure VM extension
                     heartbeat_file = HeartbeatFile(cfg.agent.heartbeat_file, lambda: self.snapshot(dispatcher, poller),
