@@ -235,7 +235,6 @@ def _install_signals(stop: threading.Event) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from forwarder.agent.config import load_config
-    from forwarder.agent.poller import Poller
     from forwarder.agent.service import Agent
 
     config = load_config(args.config)
@@ -323,7 +322,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from forwarder.agent.config import SinkConfig, load_config, parse_config
     from forwarder.agent.demo import Narrator, notify_available, protection_config
     from forwarder.emulator import Emulator, load_scenario
-    from forwarder.agent.poller import Poller
     from forwarder.agent.service import Agent
 
     config = load_config(args.config) if args.config else load_config(None, env={}, system_path=None)

@@ -12,7 +12,7 @@ VM never sees: the fleet side measures it (deploy/consumers/platform-events, doc
 
 Labels take fixed values only (the known EventTypes and "other"), so the series count is fixed
 however many events come and go. An event's NotBefore is remembered for its approval only while the event
-lasts: its end (a ``completed``, ``canceled`` or ``gone`` record) forgets it, so what the agent holds here is
+lasts: its end (a ``completed``, ``canceled`` or ``ended`` record) forgets it, so what the agent holds here is
 the events in the document now, not every event since it started (a soak's memory kept growing with it);
 ``MAX_REMEMBERED`` bounds it besides.
 """
