@@ -22,9 +22,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import parse_qs
 
-from benchmarks.peers.logs_ingestion import LogsIngestionPeer, _Verdict, error_body
+from benchmarks.peers.logs_ingestion import LogsIngestionPeer, _Verdict, error_body, refuse_method_or_version
 
 TOPIC_PATH = "/api/events"
 TOPIC_API_VERSION = "2018-01-01"
@@ -99,11 +98,9 @@ class EventGridPeer(LogsIngestionPeer):
         version = NAMESPACE_API_VERSION if self.namespace_topic else TOPIC_API_VERSION
         if path != expected:
             return _Verdict(404, error_body("NotFound", f"no such topic: {path}"), decoded=wire)
-        if method != "POST":
-            return _Verdict(405, error_body("MethodNotAllowed", "only POST is supported"), {"Allow": "POST"}, decoded=wire)
-        versions = parse_qs(query, keep_blank_values=True).get("api-version", [])
-        if versions != [version]:
-            return _Verdict(400, error_body("BadRequest", f"api-version must be {version}, got {versions}"), decoded=wire)
+        refused = refuse_method_or_version(method, query, version, "BadRequest", wire)
+        if refused is not None:
+            return refused
         refused = self._authorized(headers)
         if refused is not None:
             return _Verdict(refused.status, refused.body, decoded=wire)

@@ -113,6 +113,17 @@ class _Verdict:
     delay: float = 0.0
 
 
+def refuse_method_or_version(method: str, query: str, version: str, code: str, wire: bytes) -> _Verdict | None:
+    """A data-plane POST's first checks, as Azure answers them: 405 for another method, 400 (``code``) for an
+    api-version other than ``version``; None when both are right."""
+    if method != "POST":
+        return _Verdict(405, error_body("MethodNotAllowed", "only POST is supported"), {"Allow": "POST"}, decoded=wire)
+    versions = parse_qs(query, keep_blank_values=True).get("api-version", [])
+    if versions != [version]:
+        return _Verdict(400, error_body(code, f"api-version must be {version}, got {versions}"), decoded=wire)
+    return None
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
@@ -315,11 +326,9 @@ class LogsIngestionPeer(ServerPeer):
             return _Verdict(404, error_body("NotFound", f"Data collection rule {rule_id} was not found"), decoded=wire)
         if stream not in self.streams:
             return _Verdict(404, error_body("InvalidStream", f"Stream {stream} is not declared in rule {rule_id}"), decoded=wire)
-        if method != "POST":
-            return _Verdict(405, error_body("MethodNotAllowed", "only POST is supported"), {"Allow": "POST"}, decoded=wire)
-        versions = parse_qs(query, keep_blank_values=True).get("api-version", [])
-        if versions != [API_VERSION]:
-            return _Verdict(400, error_body("InvalidApiVersion", f"api-version must be {API_VERSION}, got {versions}"), decoded=wire)
+        refused = refuse_method_or_version(method, query, API_VERSION, "InvalidApiVersion", wire)
+        if refused is not None:
+            return refused
         auth = headers.get("authorization") or ""
         scheme, _, token = auth.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
