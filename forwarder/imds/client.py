@@ -156,7 +156,13 @@ def check_max_body(size: int) -> int:
 
 
 class RequestBudget:
-    """At most ``limit`` requests in any ``window`` seconds: every IMDS request of the process waits its turn."""
+    """At most ``limit`` requests in any ``window`` seconds: every IMDS request of the process waits its turn.
+
+    A request holds its slot from :meth:`acquire` until :meth:`release`, and the window runs from the
+    release: IMDS received the request at some moment in between, and only its end is known to be no
+    earlier. So however late a request reached IMDS (a loaded VM delays a send by tens of milliseconds,
+    sometimes more), the next request in its slot reaches IMDS at least a window after it.
+    """
 
     _shared: dict[str, RequestBudget] = {}
     _shared_lock = threading.Lock()
@@ -166,7 +172,8 @@ class RequestBudget:
         self.limit = limit
         self.window = window
         self._clock = clock
-        self._sent: deque[float] = deque()
+        self._ended: deque[float] = deque()  # when each request of the last window ended, oldest first
+        self._in_flight = 0
         self._lock = threading.Lock()
         self.waited = 0  # requests that had to wait for the budget (a sign of too many requests)
 
@@ -180,20 +187,28 @@ class RequestBudget:
             return budget
 
     def acquire(self, stop: threading.Event) -> bool:
-        """Take one request's slot, waiting (at most one window) until there is one; False if stopped."""
+        """Take one request's slot, waiting until there is one; False if stopped. :meth:`release` it."""
         while True:
             with self._lock:
                 now = self._clock()
-                sent = self._sent
-                while sent and now - sent[0] >= self.window - 1e-9:  # (float rounding: 101.1 - 100.0 < 1.1)
-                    sent.popleft()
-                if len(sent) < self.limit:
-                    sent.append(now)
+                ended = self._ended
+                while ended and now - ended[0] >= self.window - 1e-9:  # (float rounding: 101.1 - 100.0 < 1.1)
+                    ended.popleft()
+                if len(ended) + self._in_flight < self.limit:
+                    self._in_flight += 1
                     return True
-                wait = self.window - (now - sent[0])
+                # Every slot is taken: the first frees a window after the oldest end (a request still
+                # in flight ends later still, so a whole window is never too long a wait).
+                wait = self.window - (now - ended[0]) if ended else self.window
                 self.waited += 1
             if stop.wait(wait):
                 return False
+
+    def release(self) -> None:
+        """The request taken by :meth:`acquire` ended (answered, failed or abandoned): its window starts now."""
+        with self._lock:
+            self._in_flight -= 1
+            self._ended.append(self._clock())
 
 
 class ImdsClient:
@@ -454,33 +469,45 @@ class ImdsClient:
         return response
 
     def _exchange(self, method: str, url: str, deadline: float, raw: bytes) -> _Response:
+        held = False
+
         def turn() -> None:  # every request sent takes a slot of the budget, a resend too
+            nonlocal held
+            if held:
+                self.budget.release()  # (the request the resend replaces ended unanswered)
+                held = False
             if not self.budget.acquire(self._stop):
                 raise ImdsError(f"stopped before IMDS {method} {url}", status=None, retryable=True)
+            held = True
 
         turn()
         try:
-            response = self._pool.request(raw, deadline, before_resend=turn)
-        except TimeoutError as exc:
-            if getattr(exc, "connecting", False):
-                raise ImdsTimeout(f"IMDS {method} {url}: connect timed out after {self.connect_timeout:g}s",
+            try:
+                response = self._pool.request(raw, deadline, before_resend=turn)
+            except TimeoutError as exc:
+                if getattr(exc, "connecting", False):
+                    raise ImdsTimeout(f"IMDS {method} {url}: connect timed out after {self.connect_timeout:g}s",
+                                      status=None, retryable=True) from None
+                raise ImdsTimeout(f"IMDS {method} {url}: timed out after {deadline:g}s (deadline for the whole "
+                                  "answer)", status=None, retryable=True) from None
+            except _TooLarge as exc:
+                raise ImdsError(f"IMDS {method} {url}: answer refused: {exc}", status=None,
+                                retryable=True) from None
+            except OSError as exc:
+                if _unreachable(exc):  # named at once: real IMDS never refuses (docs/operations.md)
+                    raise ImdsUnreachable(f"IMDS {method} {url}: {_unreachable(exc)}", status=None,
+                                          retryable=True) from None
+                raise ImdsError(f"IMDS {method} {url}: connection failed: {_reason(exc)}",
                                 status=None, retryable=True) from None
-            raise ImdsTimeout(f"IMDS {method} {url}: timed out after {deadline:g}s (deadline for the whole answer)",
-                            status=None, retryable=True) from None
-        except _TooLarge as exc:
-            raise ImdsError(f"IMDS {method} {url}: answer refused: {exc}", status=None, retryable=True) from None
-        except OSError as exc:
-            if _unreachable(exc):  # named at once: real IMDS never refuses (docs/operations.md)
-                raise ImdsUnreachable(f"IMDS {method} {url}: {_unreachable(exc)}", status=None,
-                                      retryable=True) from None
-            raise ImdsError(f"IMDS {method} {url}: connection failed: {_reason(exc)}",
-                            status=None, retryable=True) from None
-        if response.interim:
-            log.debug("IMDS %s %s: skipped %d interim (1xx) answer(s) before the %d", method, url,
-                      response.interim, response.status)
-        if response.doubt:
-            log.warning("IMDS %s %s: %s; the connection was closed, not reused", method, url, response.doubt)
-        return response
+            if response.interim:
+                log.debug("IMDS %s %s: skipped %d interim (1xx) answer(s) before the %d", method, url,
+                          response.interim, response.status)
+            if response.doubt:
+                log.warning("IMDS %s %s: %s; the connection was closed, not reused", method, url, response.doubt)
+            return response
+        finally:
+            if held:
+                self.budget.release()
 
     @staticmethod
     def _status_error(method: str, url: str, response: _Response) -> ImdsError:

@@ -128,3 +128,40 @@ def test_sefwd_approve_retries_a_throttled_or_failed_document_read_within_the_bu
     # 8 turns of the budget (each drop takes its own: the resend after the first too) at 1 per window: at least
     # 7 windows apart.
     assert took >= 7 * BUDGET_WINDOW * 0.95
+
+
+def test_a_request_that_reached_imds_late_keeps_its_slot_until_a_window_after_it_ended() -> None:
+    """A request held up on its way (a loaded VM, here the emulator's slow answer before it counts the
+    request) must not share an IMDS second with the next window's requests. The emulator allows exactly
+    the budget (4 per second) here, so one request too many is a 429; the window counted from the
+    request's send (the code before) got one every time the slow request came first."""
+    with Emulator(vms=[VM], rate_limit=4) as emu:
+        emu.inject_fault(kind="slow", delay="500ms", path="scheduledevents", method="GET")
+        budget = RequestBudget()  # 4 per window
+        stop = threading.Event()
+        answered: list[int] = []
+        failures: list[ImdsError] = []
+        go = threading.Barrier(4)
+
+        def poller() -> None:
+            with ImdsClient(emu.vm_url(VM), "2020-07-01", budget=budget, stop=stop) as client:
+                go.wait(30)
+                while not stop.is_set():
+                    try:
+                        client.scheduled_events()
+                        answered.append(1)
+                    except ImdsError as exc:
+                        if not stop.is_set():  # (a request cut short by the test's end is no failure)
+                            failures.append(exc)
+
+        threads = [threading.Thread(target=poller, daemon=True) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        try:
+            wait_until(lambda: len(answered) >= 12 or failures, 60, "three windows of requests")
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(10)
+        assert emu.stats()["faults_pending"] == []
+        assert failures == [] and _throttled(emu) == 0

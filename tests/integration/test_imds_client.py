@@ -694,28 +694,59 @@ def test_poll_retry_after_is_capped_for_retried_requests(peer: HttpPeer) -> None
     assert 4.0 <= took < 20.0  # Retry-After honoured up to RETRY_AFTER_CAP (5 s), not for an hour
 
 
-def test_request_budget_allows_four_in_any_second() -> None:
+class _FakeStop:
+    """A stop event on a fake clock: a wait moves the clock on."""
+
+    def __init__(self, now: list[float], stop_after: int | None = None) -> None:
+        self.now = now
+        self.waits: list[float] = []
+        self.stop_after = stop_after
+
+    def wait(self, seconds: float) -> bool:
+        self.waits.append(seconds)
+        self.now[0] += seconds
+        return self.stop_after is not None and len(self.waits) >= self.stop_after
+
+
+def test_request_budget_allows_four_in_any_window() -> None:
     now = [100.0]
     budget = RequestBudget(clock=lambda: now[0])
-    waits: list[float] = []
-
-    class FakeStop:
-        def wait(self, seconds: float) -> bool:
-            waits.append(seconds)
-            now[0] += seconds
-            return False
-
-    stop = FakeStop()
+    stop = _FakeStop(now)
     for _ in range(4):
         assert budget.acquire(stop)  # type: ignore[arg-type]
-    assert waits == []
+        budget.release()
+    assert stop.waits == []
     assert budget.acquire(stop)  # type: ignore[arg-type]
-    assert waits == [pytest.approx(BUDGET_WINDOW)] and budget.waited == 1
+    budget.release()
+    assert stop.waits == [pytest.approx(BUDGET_WINDOW)] and budget.waited == 1
     stopped = threading.Event()
     stopped.set()
     for _ in range(3):
         assert budget.acquire(stop)  # type: ignore[arg-type]
+        budget.release()
     assert not budget.acquire(stopped)  # full, and shutting down: no wait
+
+
+def test_a_requests_window_runs_from_its_end_not_its_start() -> None:
+    """IMDS received a request somewhere between its send and its answer: only the answer's moment is known
+    to be no earlier, so a slow request keeps its slot for a window after it ended."""
+    now = [100.0]
+    budget = RequestBudget(limit=1, clock=lambda: now[0])
+    stop = _FakeStop(now)
+    assert budget.acquire(stop)  # type: ignore[arg-type]
+    now[0] += 0.4  # the request took 0.4 s (a loaded VM, a slow answer)
+    budget.release()
+    assert budget.acquire(stop)  # type: ignore[arg-type]
+    assert now[0] == pytest.approx(100.4 + BUDGET_WINDOW)  # not 100.0 + the window
+    # A request still in flight holds its slot however long it takes: the next one waits a window at a
+    # time (the earliest the slot can free) until it ends.
+    waiting = _FakeStop(now, stop_after=3)
+    assert not budget.acquire(waiting)  # type: ignore[arg-type]
+    assert waiting.waits == [pytest.approx(BUDGET_WINDOW)] * 3
+    budget.release()
+    ended = now[0]
+    assert budget.acquire(stop)  # type: ignore[arg-type]
+    assert now[0] == pytest.approx(ended + BUDGET_WINDOW)
 
 
 def test_every_client_of_one_endpoint_shares_one_budget(peer: HttpPeer) -> None:
