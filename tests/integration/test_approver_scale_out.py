@@ -100,6 +100,41 @@ def test_folds_keep_the_strongest_value_across_instances_and_report_each_change_
     assert [value for value, changed in results if changed].count("completed") == 1
 
 
+def test_purge_deletes_the_rows_past_their_retention_and_no_decision_changes(azurite):
+    """Table Storage keeps rows until deleted (lifecycle policies are for blobs): the purge deletes the rows
+    whose Expires passed, and only those, so a key means the same before and after it."""
+    table, now = table_name(), [1000.0]
+    shared = state(azurite, table, "a", now)
+    claims, folds = shared.claims("seen", lease=60, retention=3600), shared.folds("outcome", retention=3600)
+    assert claims.claim("settled-early")
+    claims.settle("settled-early")                      # expires at 4600
+    assert claims.claim("left-pending")                 # a killed instance's claim: expires at 1000+60+3600
+    assert folds.fold("vm|EV", "completed", 2) == ("completed", True)  # expires at 4600
+    # A row an older version wrote (no Expires): purged LEGACY_AGE after its At.
+    shared.table.create_entity({"PartitionKey": "zz", "RowKey": "legacy", "Namespace": "seen", "Key": "old",
+                                "State": "settled", "At": 1000.0})
+    now[0] = 3000.0
+    assert claims.claim("settled-late")
+    claims.settle("settled-late")                       # expires at 6600
+    assert shared.purge() == 0
+
+    now[0] = 4601.0
+    keys = ("settled-early", "left-pending", "settled-late")
+    before = {k: claims.status(k) for k in keys}
+    assert before == {"settled-early": None, "left-pending": "pending", "settled-late": "settled"}
+    assert folds.fold("vm|EV", "canceled", 0) == ("canceled", True)  # expired: a new fold (expires at 8201)
+    assert shared.purge() == 1  # settled-early
+    now[0] = 4661.0
+    assert shared.purge() == 1  # left-pending, its lease and retention over
+    assert {k: claims.status(k) for k in keys} == {**before, "left-pending": None}
+    assert not claims.claim("settled-late")  # still acted on: its row stays until 6600
+    keys = sorted(e["Key"] for e in shared.table.list_entities())
+    assert keys == ["old", "settled-late", "vm|EV"]
+    assert shared.purge(now=1000.0 + fleet_state.LEGACY_AGE + 1) == 3  # (the legacy row, and the rest expired)
+    assert list(shared.table.list_entities()) == []
+    assert claims.claim("settled-early")  # a key forgotten is free again, as when its retention ran out
+
+
 def test_settings_choose_the_backend_and_list_every_problem(tmp_path, azurite):
     base = {"CALLBACK_URL_TEMPLATE": "https://{vm_name}.example/approvals", "SEFWD_MASTER_SECRET": MASTER_SECRET,
             "SEEN_RECORDS_PATH": str(tmp_path / "seen.db")}
@@ -238,6 +273,11 @@ def test_the_function_app_on_the_table_backend_shares_its_decisions_between_inst
         assert instance(3)(ended)["decision"] == "duplicate"
         assert dict(receiver.approved) == {("vm-a", "EV-F"): 1} and receiver.bad == 0
         assert not any((tmp_path / f"instance{n}" / "seen.db").exists() for n in (1, 2, 3))
+        # The hourly timer purges the table: nothing is past its retention yet, so every row stays.
+        rows = len(list(function_app.get_approver().state.table.list_entities()))
+        assert rows >= 3
+        function_handlers()["sefwd_purge"](None)
+        assert len(list(function_app.get_approver().state.table.list_entities())) == rows
     finally:
         function_app.get_approver.cache_clear()
         receiver.close()

@@ -277,3 +277,29 @@ def test_instances_fed_the_same_deliveries_emit_each_record_once_even_when_one_i
         assert len({r["id"] for r in sink}) == len(sink)
         outcomes = {(r["subject"], r["data"]["Vm"]["Name"]): r["data"]["Agrees"] for r in sink if r["type"] == "fleet.outcome"}
     assert outcomes == {(e, "vmss_0"): True for e in EVENTS} | {(e, "vmss_1"): False for e in EVENTS}
+
+
+@pytest.mark.parametrize("backend", ["table", "sqlite"])
+def test_the_timer_forgets_what_is_past_the_retention_at_most_hourly(azurite: AzuritePeer, backend: str) -> None:
+    """Neither store expires anything by itself (Table Storage has no TTL): the minute timer's tick purges
+    once an hour, and a delivery retried after the retention is an event seen anew, as documented."""
+    from reconcile_state import DEFAULT_RETENTION
+
+    clock, emitted = pe.Clock(), list[dict[str, Any]]()
+    state = (table_state(azurite, table_name(), "one", clock) if backend == "table"
+             else SqliteState(clock=clock))
+    reconciler = Reconciler(state, emitted.extend, missed_after=60.0, clock=clock)
+    assert reconciler.tick() == 0  # the first tick purges (nothing yet)
+    assert pe.deliver(reconciler, pe.grid_event(grid_id="G1"))[1]["records"] == 1
+    clock.now += 61
+    assert reconciler.tick() == 3  # fleet.missed for each VM the event names: none reported it
+    assert pe.deliver(reconciler, pe.grid_event(grid_id="G1"))[1]["duplicates"] == 1
+    assert reconciler.purge_when_due() == 0  # within the hour: not even a round trip
+    clock.now += DEFAULT_RETENTION - 3600
+    assert reconciler.purge_when_due() == 0  # an hour later: purged, nothing old enough
+    assert pe.deliver(reconciler, pe.grid_event(grid_id="G1"))[1]["duplicates"] == 1
+    clock.now += 3600 + 1
+    assert reconciler.purge_when_due() > 0  # the event's decisions and observations
+    assert reconciler.purge_when_due() == 0
+    assert pe.deliver(reconciler, pe.grid_event(grid_id="G1"))[1]["duplicates"] == 0  # seen anew
+    state.close()

@@ -36,6 +36,7 @@ from reconcile_state import BUSY, DEFAULT_LEASE, DONE, TAKEN, ReconcileState
 log = logging.getLogger(__name__)
 
 DEFAULT_MISSED_AFTER = 300.0  # seconds: Scheduled Events reach IMDS and Event Grid within seconds of each other
+PURGE_EVERY = 3600.0  # seconds between two purges of the state (from the timer's tick)
 AGENT_TERMINAL = ("completed", "canceled", "ended")
 
 
@@ -92,6 +93,8 @@ class Reconciler:
         self.recheck = recheck
         self.refused = 0  # agent records that failed verification
         self._done: set[tuple[str, str]] = set()  # decisions known settled (they stay so): no state round trip
+        self.purge_every = PURGE_EVERY
+        self._purged_at: float | None = None
 
     # -- the HTTP endpoint (Event Grid webhook) --
     def handle_delivery(self, body: bytes, headers: Mapping[str, str]) -> tuple[int, dict[str, Any]]:
@@ -144,7 +147,25 @@ class Reconciler:
         (a timer calls this); returns records emitted."""
         batch = _Batch()
         self._emit(batch, lambda: None)
+        self.purge_when_due()
         return len(batch.records)
+
+    def purge_when_due(self) -> int:
+        """Forget what the state keeps past its retention, at most every ``purge_every`` seconds (and at the
+        first tick); returns the rows deleted. A failure is logged: the next tick tries again."""
+        now = self.clock()
+        if self._purged_at is not None and now - self._purged_at < self.purge_every:
+            return 0
+        try:
+            deleted = self.state.purge(now)
+        except Exception as exc:  # the state unreachable: purging waits, the decisions do not
+            log.warning("purging the reconcile state failed (next tick tries again): %s", exc)
+            return 0
+        self._purged_at = now
+        self._done.clear()  # (what they named may be forgotten now; the state answers again)
+        if deleted:
+            log.info("purged %d reconcile state rows past their retention", deleted)
+        return deleted
 
     # -- internals --
     def _emit(self, batch: _Batch, fill: Callable[[], object]) -> None:

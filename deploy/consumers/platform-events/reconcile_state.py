@@ -75,6 +75,10 @@ class ReconcileState(Protocol):
         """Move the event's check to ``due`` (None: close it), only if unchanged since ``due()`` gave ``token``."""
         ...
 
+    def purge(self, now: float | None = None) -> int:
+        """Forget decisions and observations ``retention`` after their last write; returns how many went."""
+        ...
+
     def close(self) -> None:
         """Release the connection."""
         ...
@@ -179,11 +183,14 @@ class SqliteState:
                 (due, event_id, int(token))))
         return bool(cur.rowcount == 1)
 
-    def purge(self, now: float | None = None) -> None:
+    def purge(self, now: float | None = None) -> int:
         """Forget events older than ``retention`` (a replayed delivery older than that is accepted again)."""
-        cutoff = (now or self._clock()) - self.retention
-        self._write(lambda: (self._db.execute("DELETE FROM decisions WHERE at < ?", (cutoff,)),
-                             self._db.execute("DELETE FROM observations WHERE at < ?", (cutoff,))))
+        cutoff = (self._clock() if now is None else now) - self.retention
+
+        def work() -> int:
+            decisions = self._db.execute("DELETE FROM decisions WHERE at < ?", (cutoff,)).rowcount
+            return int(decisions + self._db.execute("DELETE FROM observations WHERE at < ?", (cutoff,)).rowcount)
+        return int(self._write(work))
 
     def close(self) -> None:
         with self._lock:

@@ -6,6 +6,8 @@ are one row each in the event's partition (``ev-`` + SHA-256 of the EventId; Row
 row name, kept in ``Row``; the JSON value in ``Value0``… chunks, a property holds 32K characters),
 replaced only with the ETag they were read with. Open events are rows of partition ``open`` with
 ``Due``; ``set_open`` always writes (so a ``reschedule`` based on an older read fails with 412).
+Decisions and observations carry ``Expires`` (``retention`` after their last write): ``purge`` deletes
+them once it passed, as the SQLite state forgets them; open events go when they are done.
 """
 from __future__ import annotations
 
@@ -44,6 +46,7 @@ class TableReconcileState:
                  clock: Callable[[], float] = time.time) -> None:
         self.state = state
         self.lease = lease
+        self.retention = retention
         self.owner = state.owner
         self._table = state.table
         self._clock = clock
@@ -86,8 +89,9 @@ class TableReconcileState:
             except ResourceNotFoundError:
                 current = None
             value = change(None if current is None else _value(current))
+            now = self._clock()
             entity = {"PartitionKey": partition, "RowKey": key, "EventId": event_id[:1000], "Row": row,
-                      "At": self._clock(), **_chunks(json.dumps(value))}
+                      "At": now, "Expires": now + self.retention, **_chunks(json.dumps(value))}
             try:
                 if current is None:
                     self._table.create_entity(entity)
@@ -146,6 +150,10 @@ class TableReconcileState:
             return True
         except (ResourceModifiedError, ResourceNotFoundError):
             return False
+
+    def purge(self, now: float | None = None) -> int:
+        """Delete decisions and observations ``retention`` after their last write (conditional on each ETag)."""
+        return int(self.state.purge(now))
 
     def close(self) -> None:
         self.state.close()

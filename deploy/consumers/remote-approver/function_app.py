@@ -47,6 +47,15 @@ def sefwd_eventhub(events: list[func.EventHubEvent]) -> None:
     get_approver().handle_many(records)
 
 
+@app.function_name("sefwd_purge")
+@app.timer_trigger(arg_name="timer", schedule="0 17 * * * *")
+def sefwd_purge(timer: func.TimerRequest) -> None:
+    """Hourly: with STATE_BACKEND=table, delete the rows past their retention (Table Storage has no expiry)."""
+    deleted = get_approver().purge()
+    if deleted:
+        logging.info("purged %d state table rows past their retention", deleted)
+
+
 def _answer(handler: Callable[[RemoteApprover, bytes, dict[str, str]], tuple[int, dict[str, Any]]],
             req: func.HttpRequest) -> func.HttpResponse:
     try:

@@ -416,6 +416,11 @@ class RemoteApprover:
                            eventkey=key, outcome=value)
         return outcome
 
+    def purge(self) -> int:
+        """Delete the shared table's rows past their retention (``STATE_BACKEND=table``: a timer calls this
+        hourly; the SQLite file purges itself as it claims); returns how many went."""
+        return int(self.state.purge()) if self.state is not None else 0
+
     def close(self) -> None:
         """Close the shared state (table client or SQLite file)."""
         if self.state is not None:

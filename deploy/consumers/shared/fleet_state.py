@@ -17,6 +17,7 @@ approver uses it for its replay claims, de-duplication keys and outcome folds). 
     claims.status(key)   # "pending", "settled" or None (never claimed, released, or settled too long ago)
     folds = state.folds("outcome")
     folds.fold(key, value, rank)  # -> (strongest value, changed?): keeps the value of highest rank
+    state.purge()        # delete the rows whose Expires passed (a timer calls it; conditional on each ETag)
     state.close()
 
 Keys are any strings (resource IDs with "/" included): the row key is a SHA-256 of ``namespace\\nkey``,
@@ -27,9 +28,12 @@ instances decide each key once. ``Claims`` and ``Folds`` are Protocols: the remo
 cache and in-memory de-duplicator satisfy them for one instance, and a test can use either.
 
 Rows: PartitionKey, RowKey, Namespace, Key, State ("pending"|"settled"), Owner, At (epoch seconds of the
-claim or settle), LeaseUntil (epoch seconds), and for folds Value, Rank. Expired rows are not purged by
-this module (reading them is cheap and they are taken over in place); delete old rows with a storage
-lifecycle job if the table grows (one row per record id and event: small).
+claim or settle), LeaseUntil (epoch seconds), Expires (epoch seconds: when the row means nothing any more,
+``retention`` after a settle or a fold, ``retention`` after the lease of a pending claim), and for folds
+Value, Rank. Table Storage has no expiry of its own (storage lifecycle policies cover blobs only), so
+``TableState.purge`` deletes the rows whose ``Expires`` passed, each conditional on the ETag it was listed
+with (a row claimed again meanwhile stays); the consumers call it from a timer. Rows written before
+``Expires`` existed are purged once their ``At`` is ``LEGACY_AGE`` old.
 """
 from __future__ import annotations
 
@@ -45,6 +49,8 @@ from typing import Any, Protocol
 PENDING = "pending"
 SETTLED = "settled"
 DEFAULT_TABLE = "sefwdstate"
+LEGACY_AGE = 30 * 86400.0  # a row without Expires (an older version wrote it) is purged this long after its At
+PURGE_INTERVAL = 3600.0  # how often the consumers purge (their timers)
 
 
 class Claims(Protocol):
@@ -102,7 +108,8 @@ class TableClaims:
         for _ in range(3):  # a row released between our insert and our read: insert again
             now = self._clock()
             entity = {"PartitionKey": partition, "RowKey": row, "Namespace": self.namespace, "Key": key[:1000],
-                      "State": PENDING, "Owner": self.owner, "At": now, "LeaseUntil": now + self.lease}
+                      "State": PENDING, "Owner": self.owner, "At": now, "LeaseUntil": now + self.lease,
+                      "Expires": now + self.lease + self.retention}
             try:
                 self._table.create_entity(entity)
                 return True
@@ -145,9 +152,10 @@ class TableClaims:
         from azure.data.tables import UpdateMode
 
         partition, row = _address(self.namespace, key)
+        now = self._clock()
         self._table.upsert_entity({"PartitionKey": partition, "RowKey": row, "Namespace": self.namespace,
-                                   "Key": key[:1000], "State": SETTLED, "Owner": "", "At": self._clock(),
-                                   "LeaseUntil": 0.0}, mode=UpdateMode.REPLACE)
+                                   "Key": key[:1000], "State": SETTLED, "Owner": "", "At": now,
+                                   "LeaseUntil": 0.0, "Expires": now + self.retention}, mode=UpdateMode.REPLACE)
 
     def release(self, key: str) -> None:
         from azure.core import MatchConditions
@@ -182,8 +190,9 @@ class TableFolds:
         from azure.data.tables import UpdateMode
 
         partition, row = _address(self.namespace, key)
+        now = self._clock()
         entity = {"PartitionKey": partition, "RowKey": row, "Namespace": self.namespace, "Key": key[:1000],
-                  "Value": value, "Rank": int(rank), "At": self._clock()}
+                  "Value": value, "Rank": int(rank), "At": now, "Expires": now + self.retention}
         while True:  # each round ends in a decision or a conflict that someone else's write caused
             try:
                 self._table.create_entity(entity)
@@ -264,9 +273,30 @@ class TableState:
     def folds(self, namespace: str, *, retention: float = 6 * 3600.0) -> TableFolds:
         return TableFolds(self.table, namespace, retention=retention, clock=self._clock)
 
+    def purge(self, now: float | None = None) -> int:
+        """Delete the rows whose ``Expires`` passed (and rows without one ``LEGACY_AGE`` after their ``At``),
+        each only if unchanged since it was listed; returns how many went. Safe from any number of instances."""
+        from azure.core import MatchConditions
+        from azure.core.exceptions import ResourceModifiedError, ResourceNotFoundError
+
+        now = self._clock() if now is None else now
+        expired = self.table.query_entities("Expires lt @now", parameters={"now": float(now)},
+                                            select=["PartitionKey", "RowKey", "Expires"])
+        legacy = self.table.query_entities("At lt @cutoff", parameters={"cutoff": float(now - LEGACY_AGE)},
+                                           select=["PartitionKey", "RowKey", "Expires"])
+        deleted = 0
+        for entity in [*expired, *(e for e in legacy if e.get("Expires") is None)]:
+            try:
+                self.table.delete_entity(entity["PartitionKey"], entity["RowKey"], etag=entity.metadata["etag"],
+                                         match_condition=MatchConditions.IfNotModified)
+                deleted += 1
+            except (ResourceModifiedError, ResourceNotFoundError):
+                pass  # claimed again, or purged by another instance
+        return deleted
+
     def close(self) -> None:
         self.table.close()
 
 
-__all__ = ["BACKENDS", "Claims", "DEFAULT_TABLE", "Folds", "TableClaims", "TableFolds", "TableState", "instance_owner",
-           "table_settings"]
+__all__ = ["BACKENDS", "Claims", "DEFAULT_TABLE", "Folds", "LEGACY_AGE", "PURGE_INTERVAL", "TableClaims", "TableFolds",
+           "TableState", "instance_owner", "table_settings"]
