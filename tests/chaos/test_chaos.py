@@ -64,6 +64,10 @@ def generate_events(emu: Emulator, rng: random.Random, done: threading.Event) ->
     return ids
 
 
+def _polls(emu: Emulator) -> int:
+    return sum(v["GET"] for v in emu.stats()["requests"].values())
+
+
 def _cancel(emu: Emulator, event_id: str) -> None:
     try:
         emu.cancel(event_id)
@@ -94,17 +98,22 @@ def test_chaos_sigkill_and_flapping_webhook(tmp_path):
         gen.start()
         kills = 0
         stop_killing = threading.Event()
+        polls_at_start = 0
         while kills < KILLS:
+            # Each agent is killed at a random moment of its work, not of its start-up (on a loaded machine a
+            # start can take seconds: killed before its first poll, it would have seen nothing).
+            wait_until(lambda: _polls(emu) > polls_at_start, 120, f"agent {kills} polling")
             stop_killing.wait(rng.uniform(0.3, 2.5))  # a random moment, not a synchronization
             agent.kill()
             kills += 1
+            polls_at_start = _polls(emu)
             agent = AgentProcess(config, tmp_path / f"agent-{kills}.log")
         gen.join(300)
         assert generated.is_set()
         # Let the last agent see every event end and deliver everything.
         wait_until(lambda: not emu.stats()["events"], 120, "all emulator events over")
-        polls = sum(v["GET"] for v in emu.stats()["requests"].values())
-        wait_until(lambda: sum(v["GET"] for v in emu.stats()["requests"].values()) >= polls + 5, 60, "final polls")
+        polls = _polls(emu)
+        wait_until(lambda: _polls(emu) >= polls + 5, 60, "final polls")
 
         def caught_up() -> bool:
             ids_in_file = {r["id"] for r in read_jsonl(out)}

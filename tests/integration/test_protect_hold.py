@@ -26,18 +26,38 @@ HOOKS = ROOT / "deploy" / "hooks"
 
 
 def fake_kubectl(bindir: Path, log: Path, *, drain_sleep: float = 0.0, uncordon_sleep: float = 0.0,
-                 cordoned: bool = False) -> None:
-    """kubectl that logs `<epoch> start|end <hold> <args>`; `drain`/`uncordon` take the given time."""
+                 cordoned: bool = False, first_sleep: dict[str, float] | None = None) -> None:
+    """kubectl that logs `<epoch> start|end <hold> <args>`; `drain`/`uncordon` take the given time.
+
+    ``first_sleep``: {verb: seconds}, the first call of that verb takes this long instead (the call an agent
+    is killed during: long enough that only a stop ends it, however slowly the next agent starts) and writes
+    its shell's pid to ``<bindir>/first-<verb>.pid``."""
     bindir.mkdir(exist_ok=True)
     path = bindir / "kubectl"
+    first = "".join(
+        f'if [ "$1" = {verb} ] && mkdir "{bindir}/first-{verb}" 2>/dev/null; then\n'
+        f'  echo $$ > "{bindir}/first-{verb}.pid"; sleep {seconds}\n'
+        f'  echo "$(date +%s.%N) end ${{SEFWD_HOLD_ID:-}} $*" >> {log}; exit 0\n'
+        f'fi\n' for verb, seconds in (first_sleep or {}).items())
     path.write_text(
         "#!/bin/sh\n"
         f'echo "$(date +%s.%N) start ${{SEFWD_HOLD_ID:-}} $*" >> {log}\n'
+        + first +
         f'if [ "$1" = drain ]; then sleep {drain_sleep}; fi\n'
         f'if [ "$1" = uncordon ]; then sleep {uncordon_sleep}; fi\n'
         f'if [ "$1" = get ]; then echo {"true" if cordoned else "false"}; fi\n'
         f'echo "$(date +%s.%N) end ${{SEFWD_HOLD_ID:-}} $*" >> {log}\n')
     path.chmod(0o755)
+
+
+def first_call_running(bindir: Path, verb: str) -> bool:
+    """Whether the first `verb` call's shell still runs (a zombie nobody reaped yet has ended)."""
+    pid = (bindir / f"first-{verb}.pid").read_text().strip()
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z" and "kubectl" in Path(f"/proc/{pid}/cmdline").read_text()
 
 
 def calls(log: Path, verb: str | None = None, phase: str | None = None) -> list[tuple[float, str, str, list[str]]]:
@@ -209,7 +229,7 @@ def _one_of_each(log: Path, out: Path) -> None:
 
 def test_kill_9_during_enter_resumes_it(tmp_path):
     log, out = tmp_path / "kubectl.log", tmp_path / "out.jsonl"
-    fake_kubectl(tmp_path / "bin", log, drain_sleep=4)
+    fake_kubectl(tmp_path / "bin", log, first_sleep={"drain": 300})
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         agent = start(tmp_path, emu, protect_toml())
         event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
@@ -217,11 +237,13 @@ def test_kill_9_during_enter_resumes_it(tmp_path):
         agent.kill()
         again = start(tmp_path, emu, protect_toml())
         wait_until(lambda: records(out, "protect.entered"), 60, "protect.entered after the restart")
+        # The killed agent's drain (300 s) was stopped before the new one ran: only a stop ends it this soon.
+        assert not first_call_running(tmp_path / "bin", "drain")
         emu.cancel(event_id)
         wait_until(lambda: records(out, "protect.left"), 60, "protect.left")
         assert again.terminate() == 0
     assert len(calls(log, "drain", "start")) == 2  # taken up again: a drain is idempotent
-    assert len(calls(log, "drain", "end")) == 1  # the killed agent's drain was stopped before the new one
+    assert len(calls(log, "drain", "end")) == 1  # the new agent's: the killed agent's drain never finished
     assert "still running (process group" in again.logs()
     _one_of_each(log, out)
 
@@ -248,7 +270,7 @@ def test_kill_9_between_enter_and_approval(tmp_path):
 
 def test_kill_9_during_leave_resumes_it(tmp_path):
     log, out = tmp_path / "kubectl.log", tmp_path / "out.jsonl"
-    fake_kubectl(tmp_path / "bin", log, uncordon_sleep=4)
+    fake_kubectl(tmp_path / "bin", log, first_sleep={"uncordon": 300})
     with Emulator(vms=["myVM"], rate_limit=None) as emu:
         agent = start(tmp_path, emu, protect_toml())
         event_id = emu.schedule(type="Reboot", resources=["myVM"], start_after=600)
@@ -258,6 +280,7 @@ def test_kill_9_during_leave_resumes_it(tmp_path):
         agent.kill()
         again = start(tmp_path, emu, protect_toml())
         wait_until(lambda: records(out, "protect.left"), 60, "protect.left after the restart")
+        assert not first_call_running(tmp_path / "bin", "uncordon")  # stopped, not finished (300 s)
         assert again.terminate() == 0
     assert len(calls(log, "drain", "start")) == 1 and len(calls(log, "uncordon", "start")) == 2
     assert len(calls(log, "uncordon", "end")) == 1  # the killed agent's uncordon was stopped first
