@@ -31,17 +31,24 @@ def _free_port() -> int:
 class AzuritePeer:
     """One ``azurite-table`` process, its data in a temporary directory removed on close."""
 
-    def __init__(self, *, log: Path | None = None, start_timeout: float = 30.0) -> None:
+    def __init__(self, *, log: Path | None = None, start_timeout: float = 30.0,
+                 tls: tuple[Path, Path] | None = None, oauth: bool = False) -> None:
+        """``tls``: (certificate, key) PEM files: HTTPS. ``oauth``: accept bearer tokens too (Azurite's basic
+        check: a JWT within its lifetime from a Microsoft issuer for a storage audience; HTTPS only)."""
         why = self.available()
         if why is not None:
             raise RuntimeError(f"Azurite is not available: {why}")
         self._dir = tempfile.TemporaryDirectory(prefix="azurite-")
         self._log = open(log, "ab") if log is not None else None
+        self.scheme = "https" if tls is not None else "http"
+        extra = [] if tls is None else ["--cert", str(tls[0]), "--key", str(tls[1])]
+        if oauth:
+            extra += ["--oauth", "basic"]
         for _attempt in range(3):  # the free port may be taken between the probe and Azurite's bind
             self.port = _free_port()
             self.proc = subprocess.Popen(
                 [str(BIN), "--tableHost", "127.0.0.1", "--tablePort", str(self.port), "--location", self._dir.name,
-                 "--skipApiVersionCheck", "--loose", "--disableProductStyleUrl"],
+                 "--skipApiVersionCheck", "--loose", "--disableProductStyleUrl", *extra],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             if self._started(start_timeout):
                 return
@@ -82,12 +89,12 @@ class AzuritePeer:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}/{ACCOUNT}"
+        return f"{self.scheme}://127.0.0.1:{self.port}/{ACCOUNT}"
 
     @property
     def connection_string(self) -> str:
         """The development account's connection string for this instance (what azure-data-tables takes)."""
-        return (f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT};AccountKey={KEY};"
+        return (f"DefaultEndpointsProtocol={self.scheme};AccountName={ACCOUNT};AccountKey={KEY};"
                 f"TableEndpoint={self.endpoint};")
 
     def close(self) -> None:
