@@ -113,6 +113,9 @@ def test_purge_deletes_the_rows_past_their_retention_and_no_decision_changes(azu
     # A row an older version wrote (no Expires): purged LEGACY_AGE after its At.
     shared.table.create_entity({"PartitionKey": "zz", "RowKey": "legacy", "Namespace": "seen", "Key": "old",
                                 "State": "settled", "At": 1000.0})
+    # A damaged one (Expires a string): never matched as expired, purged as a legacy row.
+    shared.table.create_entity({"PartitionKey": "zz", "RowKey": "damaged", "Namespace": "seen", "Key": "odd",
+                                "State": "settled", "At": 1000.0, "Expires": "soon"})
     now[0] = 3000.0
     assert claims.claim("settled-late")
     claims.settle("settled-late")                       # expires at 6600
@@ -129,8 +132,8 @@ def test_purge_deletes_the_rows_past_their_retention_and_no_decision_changes(azu
     assert {k: claims.status(k) for k in keys} == {**before, "left-pending": None}
     assert not claims.claim("settled-late")  # still acted on: its row stays until 6600
     keys = sorted(e["Key"] for e in shared.table.list_entities())
-    assert keys == ["old", "settled-late", "vm|EV"]
-    assert shared.purge(now=1000.0 + fleet_state.LEGACY_AGE + 1) == 3  # (the legacy row, and the rest expired)
+    assert keys == ["odd", "old", "settled-late", "vm|EV"]
+    assert shared.purge(now=1000.0 + fleet_state.LEGACY_AGE + 1) == 4  # (the legacy rows, and the rest expired)
     assert list(shared.table.list_entities()) == []
     assert claims.claim("settled-early")  # a key forgotten is free again, as when its retention ran out
 

@@ -50,7 +50,6 @@ PENDING = "pending"
 SETTLED = "settled"
 DEFAULT_TABLE = "sefwdstate"
 LEGACY_AGE = 30 * 86400.0  # a row without Expires (an older version wrote it) is purged this long after its At
-PURGE_INTERVAL = 3600.0  # how often the consumers purge (their timers)
 
 
 class Claims(Protocol):
@@ -280,12 +279,15 @@ class TableState:
         from azure.core.exceptions import ResourceModifiedError, ResourceNotFoundError
 
         now = self._clock() if now is None else now
-        expired = self.table.query_entities("Expires lt @now", parameters={"now": float(now)},
-                                            select=["PartitionKey", "RowKey", "Expires"])
-        legacy = self.table.query_entities("At lt @cutoff", parameters={"cutoff": float(now - LEGACY_AGE)},
-                                           select=["PartitionKey", "RowKey", "Expires"])
+        # One scan, paged as it goes (a property a row lacks, or holds as another type, matches nothing).
+        found = self.table.query_entities("Expires lt @now or At lt @cutoff",
+                                          parameters={"now": float(now), "cutoff": float(now - LEGACY_AGE)},
+                                          select=["PartitionKey", "RowKey", "Expires"])
         deleted = 0
-        for entity in [*expired, *(e for e in legacy if e.get("Expires") is None)]:
+        for entity in found:
+            expires = entity.get("Expires")
+            if isinstance(expires, (int, float)) and expires >= now:
+                continue  # old, but written with an Expires still ahead (a retention beyond LEGACY_AGE)
             try:
                 self.table.delete_entity(entity["PartitionKey"], entity["RowKey"], etag=entity.metadata["etag"],
                                          match_condition=MatchConditions.IfNotModified)
@@ -298,5 +300,5 @@ class TableState:
         self.table.close()
 
 
-__all__ = ["BACKENDS", "Claims", "DEFAULT_TABLE", "Folds", "LEGACY_AGE", "PURGE_INTERVAL", "TableClaims", "TableFolds",
-           "TableState", "instance_owner", "table_settings"]
+__all__ = ["BACKENDS", "Claims", "DEFAULT_TABLE", "Folds", "LEGACY_AGE", "TableClaims", "TableFolds", "TableState",
+           "instance_owner", "table_settings"]
