@@ -11,10 +11,8 @@ from __future__ import annotations
 import base64
 import json
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -22,6 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from benchmarks.peers.azurite_peer import AzuritePeer
+from benchmarks.peers.webhook_receiver import ReceivedRequest, Reply, WebhookReceiver
 from forwarder.emulator.arm_certs import make_arm_certificate
 from tests.azurite import PYTESTMARK, table_name
 from tests.fleet import APP_DIR, MASTER_SECRET
@@ -44,46 +43,34 @@ def _b64(value: dict[str, Any]) -> str:
 
 
 class AppServiceIdentity:
-    """The App Service / Functions managed-identity endpoint (api-version 2019-08-01) on 127.0.0.1: a JWT-shaped
-    token per request, for the requested resource unless ``audience`` overrides it (a wrong one)."""
+    """The App Service / Functions managed-identity endpoint (api-version 2019-08-01) on 127.0.0.1, on the
+    project's WebhookReceiver: a JWT-shaped token per request, for the requested resource unless
+    ``audience`` overrides it (a wrong one)."""
 
     def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
         self.audience: str | None = None
-        outer = self
+        self.receiver = WebhookReceiver(self._answer).start()
+        self.url = self.receiver.url_for("/msi/token")
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                query = {k: v[0] for k, v in parse_qs(urlsplit(self.path).query).items()}
-                outer.requests.append({"query": query, "secret": self.headers.get("X-IDENTITY-HEADER")})
-                if self.headers.get("X-IDENTITY-HEADER") != IDENTITY_SECRET or "resource" not in query:
-                    self._answer(400, {"error": "invalid_request"})
-                    return
-                now = int(time.time())
-                claims = {"aud": outer.audience or query["resource"], "iss": "https://sts.windows.net/tenant-0/",
-                          "iat": now - 60, "nbf": now - 60, "exp": now + 3600, "oid": "function-app-identity"}
-                token = f'{_b64({"alg": "RS256", "typ": "JWT"})}.{_b64(claims)}.c2lnbmF0dXJl'
-                self._answer(200, {"access_token": token, "expires_on": str(now + 3600),
-                                   "resource": query["resource"], "token_type": "Bearer"})
+    @property
+    def requests(self) -> list[dict[str, str]]:
+        """The query of every token request."""
+        return [{k: v[0] for k, v in parse_qs(urlsplit(r.path).query).items()} for r in self.receiver.requests]
 
-            def _answer(self, status: int, body: dict[str, Any]) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/msi/token"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+    def _answer(self, request: ReceivedRequest) -> Reply:
+        query = {k: v[0] for k, v in parse_qs(urlsplit(request.path).query).items()}
+        if request.header("X-IDENTITY-HEADER") != IDENTITY_SECRET or "resource" not in query:
+            return Reply(400, {"Content-Type": "application/json"}, b'{"error": "invalid_request"}')
+        now = int(time.time())
+        claims = {"aud": self.audience or query["resource"], "iss": "https://sts.windows.net/tenant-0/",
+                  "iat": now - 60, "nbf": now - 60, "exp": now + 3600, "oid": "function-app-identity"}
+        token = f'{_b64({"alg": "RS256", "typ": "JWT"})}.{_b64(claims)}.c2lnbmF0dXJl'
+        body = {"access_token": token, "expires_on": str(now + 3600), "resource": query["resource"],
+                "token_type": "Bearer"}
+        return Reply(200, {"Content-Type": "application/json"}, json.dumps(body).encode())
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.receiver.stop()
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +123,7 @@ def test_the_remote_approver_claims_settles_and_purges_with_the_managed_identity
     finally:
         state.close()
     assert list(admin.list_entities()) == []
-    asked = [r["query"] for r in identity.requests]
+    asked = identity.requests
     assert asked and all(q["resource"] == STORAGE and q["api-version"] == "2019-08-01" for q in asked)
     assert len(asked) == 1  # one token, cached for its lifetime across every request
 
