@@ -38,6 +38,10 @@ class GcSweep:
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
         while not self.stop.wait(self.every):
             started = time.perf_counter()

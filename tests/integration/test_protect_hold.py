@@ -34,17 +34,18 @@ def fake_kubectl(bindir: Path, log: Path, *, drain_sleep: float = 0.0, uncordon_
     its shell's pid to ``<bindir>/first-<verb>.pid``."""
     bindir.mkdir(exist_ok=True)
     path = bindir / "kubectl"
-    first = "".join(
-        f'if [ "$1" = {verb} ] && mkdir "{bindir}/first-{verb}" 2>/dev/null; then\n'
-        f'  echo $$ > "{bindir}/first-{verb}.pid"; sleep {seconds}\n'
-        f'  echo "$(date +%s.%N) end ${{SEFWD_HOLD_ID:-}} $*" >> {log}; exit 0\n'
-        f'fi\n' for verb, seconds in (first_sleep or {}).items())
+    # The first call of a verb claims it (mkdir is atomic) and writes its pid before it logs `start`, so a test
+    # that saw the start also finds the pid.
+    first = "".join(f'if [ "$1" = {verb} ] && mkdir "{bindir}/first-{verb}" 2>/dev/null; then '
+                    f'echo $$ > "{bindir}/first-{verb}.pid"; first={seconds}; fi\n'
+                    for verb, seconds in (first_sleep or {}).items())
     path.write_text(
-        "#!/bin/sh\n"
-        f'echo "$(date +%s.%N) start ${{SEFWD_HOLD_ID:-}} $*" >> {log}\n'
+        "#!/bin/sh\nfirst=\n"
         + first +
-        f'if [ "$1" = drain ]; then sleep {drain_sleep}; fi\n'
-        f'if [ "$1" = uncordon ]; then sleep {uncordon_sleep}; fi\n'
+        f'echo "$(date +%s.%N) start ${{SEFWD_HOLD_ID:-}} $*" >> {log}\n'
+        'if [ -n "$first" ]; then sleep "$first"; '
+        f'elif [ "$1" = drain ]; then sleep {drain_sleep}; '
+        f'elif [ "$1" = uncordon ]; then sleep {uncordon_sleep}; fi\n'
         f'if [ "$1" = get ]; then echo {"true" if cordoned else "false"}; fi\n'
         f'echo "$(date +%s.%N) end ${{SEFWD_HOLD_ID:-}} $*" >> {log}\n')
     path.chmod(0o755)

@@ -44,5 +44,4 @@ def test_the_sweep_stops_with_the_agent() -> None:
     assert sweep.swept.wait(30)
     stop.set()
     sweep.join(30)
-    sweep.swept.clear()
-    assert not sweep.swept.wait(0.2)  # no sweep after the stop (20 periods)
+    assert not sweep.running  # ended: no sweep after the stop (no wait needed to see it)
